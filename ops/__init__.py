@@ -1,0 +1,38 @@
+"""Kernels for shardtensor: Triton versions for CUDA tensors, torch references for the CPU (DESIGN.md section 6).
+
+Importing this package never imports triton (see ``_int4.py``).
+"""
+
+from ._int4 import (
+    QuantizedInt4,
+    dequantize_int4,
+    dequantize_int4_ref,
+    dequantize_int4_triton,
+    dequantize_reduce_int4,
+    dequantize_reduce_int4_ref,
+    dequantize_reduce_int4_triton,
+    quantize_int4,
+    quantize_int4_ef,
+    quantize_int4_ef_ref,
+    quantize_int4_ef_triton,
+    quantize_int4_ref,
+    quantize_int4_triton,
+    triton_available,
+)
+
+__all__ = [
+    "QuantizedInt4",
+    "dequantize_int4",
+    "dequantize_int4_ref",
+    "dequantize_int4_triton",
+    "dequantize_reduce_int4",
+    "dequantize_reduce_int4_ref",
+    "dequantize_reduce_int4_triton",
+    "quantize_int4",
+    "quantize_int4_ef",
+    "quantize_int4_ef_ref",
+    "quantize_int4_ef_triton",
+    "quantize_int4_ref",
+    "quantize_int4_triton",
+    "triton_available",
+]

@@ -1,0 +1,25 @@
+"""shardtensor: parameters sharded along dim 0 as a tensor subclass (ZeRO-3 / FSDP2 style), in pure PyTorch.
+
+One line turns a model's parameters into ``ShardedParam``s; ordinary training code (stock ``torch.optim``
+optimizers, ``clip_grad_norm_``, gradient accumulation) runs unchanged.
+"""
+
+from . import dispatch as _dispatch  # noqa: F401  (importing registers the op table)
+from .api import full_state_dict, gather_stats, load_full_state_dict, shard_module
+from .dispatch import ShardedOpError
+from .gather import Gatherer, GatherMode
+from .reduce import ExactReducer
+from .tensor import ShardedParam, ShardLayout
+
+__all__ = [
+    "ShardedParam",
+    "ShardLayout",
+    "ShardedOpError",
+    "shard_module",
+    "full_state_dict",
+    "load_full_state_dict",
+    "gather_stats",
+    "Gatherer",
+    "GatherMode",
+    "ExactReducer",
+]

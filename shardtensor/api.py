@@ -1,0 +1,171 @@
+"""The one-liner and its companions: ``shard_module``, ``full_state_dict``, ``load_full_state_dict``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _comm
+from .gather import Gatherer, GatherMode
+from .reduce import ExactReducer, GradientReducer, GradSync
+from .tensor import ShardedParam, ShardLayout
+
+
+@dataclass
+class ShardingState:
+    """What ``shard_module`` attached to the root module (``module._shardtensor``)."""
+
+    gatherer: Gatherer
+    grad_sync: GradSync
+    group: object
+    params: dict  # fully qualified name -> ShardedParam (first name of tied parameters)
+    hook_handles: list
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    return any(isinstance(p, ShardedParam) for p in module.parameters())
+
+
+def shard_module(
+    module: nn.Module,
+    *,
+    group=None,
+    gather: str = "overlapped",
+    prefetch_bytes: int = 64 << 20,
+    min_free_bytes: int = 1 << 30,
+    reducer: Optional[GradientReducer] = None,
+) -> nn.Module:
+    """Replace every floating parameter of ``module`` (dim >= 1) by a ``ShardedParam``, in place.
+
+    Each rank keeps ceil(rows / world) rows of dim 0.  Full tensors are gathered by the op that needs them and
+    freed after it (``gather="sequential"``), or prefetched in the recorded order within ``prefetch_bytes``
+    (``"overlapped"``), or overlapped while free memory stays above ``min_free_bytes`` (``"auto"``).  Gradients
+    are reduced to this rank's shard of the mean by ``reducer`` (default: exact reduce-scatter).
+
+    Buffers and non-floating parameters stay as they are (replicated); 0-d floating parameters stay replicated
+    and their gradients are averaged.  Tied parameters stay tied.  Every rank must call this with the same
+    model: the parameter names and shapes are checked across ranks here, not by a hang later.
+
+    Args:
+        module: the model; its parameters must hold the same values on every rank (same seed).
+        group: process group to shard over (Default: the default group; a single process needs none).
+        gather: ``"sequential"``, ``"overlapped"`` or ``"auto"`` (Default: ``"overlapped"``).
+        prefetch_bytes: prefetch budget of overlapped mode (Default: 64 MiB).
+        min_free_bytes: auto mode's memory threshold (Default: 1 GiB).
+        reducer: gradient reducer (Default: ``ExactReducer()``).
+    Returns:
+        ``module`` itself.
+    """
+    if _is_sharded(module) or hasattr(module, "_shardtensor"):
+        raise ValueError(
+            f"shard_module: {type(module).__name__} is already sharded (it holds ShardedParams). "
+            "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
+        )
+    try:
+        mode = GatherMode(gather)
+    except ValueError:
+        raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
+    gatherer = Gatherer(mode, prefetch_bytes=prefetch_bytes, min_free_bytes=min_free_bytes)
+    grad_sync = GradSync(reducer if reducer is not None else ExactReducer())
+    _check_same_model_on_every_rank(module, group)
+
+    replaced: dict[int, nn.Parameter] = {}
+    names: dict[str, ShardedParam] = {}
+    handles = []
+    for module_name, submodule in module.named_modules(remove_duplicate=False):
+        for name, param in list(submodule._parameters.items()):
+            if param is None:
+                continue
+            fqn = f"{module_name}.{name}" if module_name else name
+            if id(param) in replaced:  # tied: the same Parameter object stays one ShardedParam
+                submodule._parameters[name] = replaced[id(param)]
+                continue
+            new = _shard_parameter(param, fqn, group, gatherer, grad_sync, handles)
+            replaced[id(param)] = new
+            submodule._parameters[name] = new
+            if isinstance(new, ShardedParam):
+                names[fqn] = new
+
+    handles.append(module.register_forward_pre_hook(lambda mod, inputs: gatherer.step_begin()))
+    module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
+    return module
+
+
+def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, grad_sync: GradSync, handles: list):
+    if not param.is_floating_point():
+        return param
+    if param.dim() == 0:
+        if param.requires_grad and _comm.world_size(group) > 1:
+            handles.append(param.register_hook(grad_sync.replicated_grad_hook(group)))
+        return param
+    layout = ShardLayout.for_shape(param.shape, group)
+    with torch.no_grad():
+        if param.is_meta:
+            local = torch.empty(layout.local_shape(), dtype=param.dtype, device="meta")
+        else:
+            local = layout.shard_of(param.detach())
+    sharded = ShardedParam(local, layout, (), gatherer, fqn)
+    new = nn.Parameter(sharded, requires_grad=param.requires_grad)
+    new._gatherer = gatherer
+    new._name = fqn
+    gatherer.register(new)
+    if new.requires_grad:
+        handles.append(new.register_hook(grad_sync.sharded_grad_hook(new, fqn)))
+    return new
+
+
+def _check_same_model_on_every_rank(module: nn.Module, group) -> None:
+    """Different models on different ranks would make the gathers disagree (a hang or garbage): fail now."""
+    if _comm.world_size(group) == 1:
+        return
+    fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    everyone = _comm.all_gather_object(fingerprint, group)
+    for other_rank, other in enumerate(everyone):
+        if other != fingerprint:
+            mine = set(fingerprint)
+            diff = sorted(mine.symmetric_difference(other))[:3]
+            raise ValueError(
+                f"shard_module on rank {_comm.rank(group)}: rank {other_rank} has a different model "
+                f"(first differences: {diff}). Every rank must shard the same architecture."
+            )
+
+
+def _sharding_state(module: nn.Module) -> ShardingState:
+    state = getattr(module, "_shardtensor", None)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} was not sharded with shardtensor.shard_module")
+    return state
+
+
+@torch.no_grad()
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain full tensors on every rank, with the keys of the unsharded ``module.state_dict()``.  Gathers."""
+    from .gather import gather_full
+
+    out = {}
+    for key, value in module.state_dict().items():
+        out[key] = gather_full(value).clone() if isinstance(value, ShardedParam) else value
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True):
+    """Load a full (unsharded) state dict: each rank keeps its rows.  Shape or key mismatches name the key."""
+    own = module.state_dict()
+    for key, value in state_dict.items():
+        if key in own and tuple(own[key].shape) != tuple(value.shape):
+            raise ValueError(
+                f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but "
+                f"{tuple(own[key].shape)} in the model"
+            )
+    return module.load_state_dict(state_dict, strict=strict)
+
+
+def gather_stats(module: nn.Module) -> dict[str, int]:
+    """Counters of the module's Gatherer (gathers, prefetches, prefetch hits, order mismatches, max alive)."""
+    g = _sharding_state(module).gatherer
+    return {"gathers": g.gathers, "prefetches": g.prefetches, "prefetch_hits": g.prefetch_hits,
+            "mismatches": g.mismatches, "max_alive": g.max_alive}

@@ -1,0 +1,258 @@
+"""The Gatherer: when full tensors are gathered, how long they live, and what is prefetched.
+
+Modes (``GatherMode``):
+  - ``sequential``: gather on demand, free as soon as the op that needed it returns.  At most the parameters
+    of one op are alive (one, for the ops ``dispatch.py`` decomposes: linear+bias, layer/batch norm, conv+bias).
+  - ``overlapped``: the first step records the order of gathers (forward and backward); later steps issue
+    async all-gathers for the next parameters in that order while the current op runs, within
+    ``prefetch_bytes``.  A gather that does not match the recorded order is detected, in-flight prefetches are
+    drained (every rank issued them, so every rank must complete them), and the rest of the step is re-recorded.
+  - ``auto``: overlapped while free memory stays above ``min_free_bytes``; sequential below it.
+
+[Note: reuse window]
+Both modes record the order.  When an op releases a parameter that the *next* recorded gather needs again (the
+tied embedding at the end of forward and the start of backward; two ops on one weight), the buffer is kept
+instead of gathered twice.  Any in-place change of the shard (optimizer step, ``load_state_dict``) bumps the
+shard's version counter, and a kept buffer with a stale version is never used.
+
+[Note: collective order]
+Every rank must issue the same gathers in the same order.  The order is a function of the program, so ranks
+that run the same program replay the same prefetches; ``shardtensor`` cannot repair a program whose ranks take
+different branches (neither can FSDP2 or ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from . import _comm
+from .tensor import ShardedParam, apply_views
+
+log = logging.getLogger(__name__)
+
+
+class GatherMode(str, enum.Enum):
+    SEQUENTIAL = "sequential"
+    OVERLAPPED = "overlapped"
+    AUTO = "auto"
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    """Free memory where the gathered tensors live: the CUDA allocator's view, or the host's (psutil)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+class _Entry:
+    """One parameter's gathered buffer (or the in-flight gather that will fill it)."""
+
+    __slots__ = ("full", "work", "version", "users")
+
+    def __init__(self, full: torch.Tensor, work, version: int):
+        self.full = full  # (shape[0], ...) view of the padded all-gather output
+        self.work = work
+        self.version = version
+        self.users = 0
+
+
+class Gatherer:
+    """Schedules the gathers of one sharded module's parameters.  Not thread-safe: one backward at a time."""
+
+    def __init__(
+        self,
+        mode: GatherMode | str = GatherMode.OVERLAPPED,
+        *,
+        prefetch_bytes: int = 64 << 20,
+        min_free_bytes: int = 1 << 30,
+        free_memory_fn: Optional[Callable[[torch.device], int]] = None,
+    ):
+        self.mode = GatherMode(mode)
+        self.prefetch_bytes = int(prefetch_bytes)
+        self.min_free_bytes = int(min_free_bytes)
+        self.free_memory_fn = free_memory_fn or _free_memory_bytes
+        self._params: list[ShardedParam] = []  # registered base parameters, by index
+        self._index: dict[int, int] = {}  # id(param._local) -> index
+        self._entries: dict[int, _Entry] = {}  # index -> gathered / in-flight buffer
+        self._order: list[int] = []  # recorded gather order of one step
+        self._recording: list[int] = []
+        self._is_recording = True
+        self._pos = 0
+        self._pressure = False  # auto mode: currently sequential because memory is low
+        # accounting, read by tests and benchmarks
+        self.gathers = 0
+        self.prefetches = 0
+        self.prefetch_hits = 0
+        self.mismatches = 0
+        self.max_alive = 0
+        self._alive_refs: list[weakref.ref] = []
+
+    # ------------------------------------------------------------------ registration and step boundary
+    def register(self, param: ShardedParam) -> None:
+        self._index[id(param._local)] = len(self._params)
+        self._params.append(param)
+
+    def step_begin(self) -> None:
+        """Called at the root module's forward: a new forward+backward sequence starts."""
+        self._drop_all()
+        if self._is_recording:
+            if self._recording:
+                self._order = self._recording
+                self._is_recording = False
+        elif self._pos < len(self._order):
+            pass  # a shorter step (eval forward, no backward): the order still stands
+        self._recording = []
+        self._pos = 0
+
+    @property
+    def recorded_order(self) -> list[str]:
+        return [self._params[i]._name for i in self._order]
+
+    def alive_buffers(self) -> int:
+        """Gathered buffers still referenced anywhere (not only here): for tests of memory lifetime."""
+        self._alive_refs = [r for r in self._alive_refs if r() is not None]
+        return len(self._alive_refs)
+
+    # ------------------------------------------------------------------ acquire / release
+    def acquire(self, param: ShardedParam) -> torch.Tensor:
+        """The full base tensor of ``param`` (views not applied); pair with ``release``."""
+        index = self._index.get(id(param._local))
+        if index is None:  # not a registered parameter (e.g. a derived ShardedParam): plain on-demand gather
+            return _gather_now(param._local, param._layout)
+        self._advance(index)
+        entry = self._entries.get(index)
+        local = param._local
+        if entry is not None and entry.version != local._version:
+            self._drop(index)  # stale: the shard changed since this buffer was gathered
+            entry = None
+        if entry is None:
+            entry = self._start_gather(index, async_op=False)
+        elif entry.work is not None:
+            self.prefetch_hits += 1
+        if entry.work is not None:
+            entry.work.wait()
+            entry.work = None
+        entry.users += 1
+        self._prefetch()
+        return entry.full
+
+    def release(self, param: ShardedParam) -> None:
+        index = self._index.get(id(param._local))
+        if index is None:
+            return
+        entry = self._entries.get(index)
+        if entry is None:
+            return
+        entry.users -= 1
+        if entry.users <= 0 and not self._needed_next(index):
+            self._drop(index)
+
+    def drop_cache(self) -> None:
+        """Free every kept buffer (waits for in-flight prefetches first)."""
+        self._drop_all()
+
+    # ------------------------------------------------------------------ internals
+    def _advance(self, index: int) -> None:
+        if self._is_recording:
+            self._recording.append(index)
+            return
+        if self._pos < len(self._order) and self._order[self._pos] == index:
+            self._pos += 1
+            return
+        # The program asked for something else than the recorded order says: re-record the rest of the step.
+        self.mismatches += 1
+        expected = self._params[self._order[self._pos]]._name if self._pos < len(self._order) else "<end of order>"
+        log.info("shardtensor: gather order changed at position %d (expected %s, got %s); re-recording",
+                 self._pos, expected, self._params[index]._name)
+        self._drain_prefetches()
+        self._recording = self._order[: self._pos] + [index]
+        self._is_recording = True
+
+    def _needed_next(self, index: int) -> bool:
+        return (not self._is_recording) and self._pos < len(self._order) and self._order[self._pos] == index
+
+    def _overlapping(self) -> bool:
+        if self.mode is GatherMode.SEQUENTIAL:
+            return False
+        if self.mode is GatherMode.AUTO:
+            device = self._params[0]._local.device if self._params else torch.device("cpu")
+            pressure = self.free_memory_fn(device) < self.min_free_bytes
+            if pressure != self._pressure:
+                self._pressure = pressure
+                log.warning("shardtensor: gather=auto switched to %s (free memory %s min_free_bytes)",
+                            "sequential" if pressure else "overlapped", "<" if pressure else ">=")
+            return not pressure
+        return True
+
+    def _prefetch(self) -> None:
+        if self._is_recording or not self._overlapping():
+            return
+        budget = self.prefetch_bytes - sum(
+            e.full.numel() * e.full.element_size() for e in self._entries.values() if e.users <= 0
+        )
+        seen = set()
+        for index in self._order[self._pos :]:
+            if index in seen:
+                continue
+            seen.add(index)
+            if index in self._entries:
+                continue
+            layout = self._params[index]._layout
+            nbytes = layout.padded_shape.numel() * self._params[index]._local.element_size()
+            if nbytes > budget:
+                break
+            budget -= nbytes
+            self._start_gather(index, async_op=True)
+            self.prefetches += 1
+
+    def _start_gather(self, index: int, *, async_op: bool) -> _Entry:
+        param = self._params[index]
+        if not async_op:
+            self._evict_unused()
+        result = _comm.all_gather_rows(param._local, param._layout.group, async_op=async_op)
+        full = result.buffer[: param._layout.shape[0]] if result.buffer.shape[0] != param._layout.shape[0] else result.buffer
+        if param._layout.world == 1 and full is param._local:
+            full = param._local.view(param._local.shape)  # a distinct alias, so weakref accounting sees it
+        entry = _Entry(full, result.work if async_op else None, param._local._version)
+        self._entries[index] = entry
+        self.gathers += 1
+        self._alive_refs.append(weakref.ref(full))
+        self.max_alive = max(self.max_alive, len(self._entries))
+        return entry
+
+    def _evict_unused(self) -> None:
+        """Sequential mode's promise: before a new gather, nothing unused stays alive."""
+        for index in [i for i, e in self._entries.items() if e.users <= 0 and e.work is None]:
+            if self.mode is GatherMode.SEQUENTIAL or self._pressure:
+                self._drop(index)
+
+    def _drop(self, index: int) -> None:
+        entry = self._entries.pop(index, None)
+        if entry is not None and entry.work is not None:
+            entry.work.wait()  # every rank issued this collective: complete it before dropping
+
+    def _drain_prefetches(self) -> None:
+        for index in [i for i, e in self._entries.items() if e.work is not None]:
+            self._drop(index)
+
+    def _drop_all(self) -> None:
+        for index in [i for i, e in self._entries.items() if e.users <= 0]:
+            self._drop(index)
+
+
+def _gather_now(local: torch.Tensor, layout) -> torch.Tensor:
+    buffer = _comm.all_gather_rows(local, layout.group).buffer
+    return buffer[: layout.shape[0]]
+
+
+def gather_full(param: ShardedParam) -> torch.Tensor:
+    """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
+    return apply_views(_gather_now(param._local, param._layout), param._views)

@@ -1,0 +1,210 @@
+"""``ShardedParam``: a wrapper tensor subclass whose data is this rank's dim-0 shard.
+
+[Note: what a ShardedParam is]
+The wrapper has the *global* shape, dtype and device; its only storage is ``_local``, this rank's rows of the
+base tensor, padded with zero rows so every rank holds ``rows_per_rank`` rows (the all-gather then lands the
+full tensor in rank order with no copy).  Ops reach ``__torch_dispatch__`` (below autograd) and are routed by
+the op table in ``dispatch.py``.
+
+[Note: views do not gather]
+``F.linear`` calls ``t(weight)`` and autograd saves that view for backward.  If the view held the gathered
+buffer, every full weight would live from forward to backward, which is exactly what sharding must avoid.  So a
+view of a ShardedParam is another ShardedParam over the *same* ``_local`` that records the view (``_views``);
+the chain is replayed on the gathered base tensor when a compute op needs the data.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from . import _comm
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one base tensor is split over a process group along dim 0 (immutable; shared by views and grads)."""
+
+    shape: torch.Size  # global shape of the base tensor
+    rows_per_rank: int  # padded rows each rank holds: ceil(shape[0] / world)
+    rank: int
+    world: int
+    group: Any = None  # ProcessGroup or None (the default group); compared by identity
+
+    @staticmethod
+    def for_shape(shape: torch.Size, group=None) -> "ShardLayout":
+        world = _comm.world_size(group)
+        rows = -(-shape[0] // world) if shape[0] else 0
+        return ShardLayout(torch.Size(shape), rows, _comm.rank(group), world, group)
+
+    @property
+    def row_start(self) -> int:
+        return min(self.rank * self.rows_per_rank, self.shape[0])
+
+    @property
+    def valid_rows(self) -> int:
+        """Rows of ``_local`` that hold data; the rest is padding (kept out of reductions and gathers)."""
+        return max(0, min(self.rows_per_rank, self.shape[0] - self.rank * self.rows_per_rank))
+
+    @property
+    def padded_shape(self) -> torch.Size:
+        return torch.Size((self.rows_per_rank * self.world, *self.shape[1:]))
+
+    def local_shape(self) -> torch.Size:
+        return torch.Size((self.rows_per_rank, *self.shape[1:]))
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's padded rows of a full (replicated) tensor of the base shape: a fresh tensor."""
+        local = torch.zeros(self.local_shape(), dtype=full.dtype, device=full.device)
+        if self.valid_rows:
+            local[: self.valid_rows].copy_(full[self.row_start : self.row_start + self.valid_rows])
+        return local
+
+
+class ViewStep(NamedTuple):
+    """One recorded view op, replayed on the gathered tensor: ``func(t, *args, **kwargs)[index]``."""
+
+    func: Any  # torch._ops.OpOverload
+    args: tuple
+    kwargs: tuple  # sorted (name, value) pairs, so the step is hashable
+    index: Optional[int]  # output index of multi-output views (split, unbind), else None
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.func(t, *self.args, **dict(self.kwargs))
+        return out if self.index is None else out[self.index]
+
+
+@functools.lru_cache(maxsize=4096)
+def _view_geometry(shape: torch.Size, views: tuple) -> tuple[torch.Size, tuple, int]:
+    """Shape, stride and storage offset the view chain gives a contiguous base of ``shape`` (via meta tensors)."""
+    t = torch.empty(shape, device="meta")
+    for step in views:
+        t = step.apply(t)
+    return t.shape, t.stride(), t.storage_offset()
+
+
+def apply_views(base: torch.Tensor, views: tuple) -> torch.Tensor:
+    for step in views:
+        base = step.apply(base)
+    return base
+
+
+class ShardedParam(torch.Tensor):
+    """A parameter stored as this rank's dim-0 shard; looks like the full tensor to the code that uses it.
+
+    Communication:
+      - ``to_local()`` never communicates.
+      - ``full_tensor()`` all-gathers (and is differentiable).
+      - ``repr``/``str`` never communicate and never raise (debuggers call them).
+    The raw constructor is not public API: use ``shardtensor.shard_module`` or ``ShardedParam.from_full``.
+    """
+
+    __slots__ = ["_local", "_layout", "_views", "_gatherer", "_name"]
+    _local: torch.Tensor  # (rows_per_rank, *shape[1:]) of the base tensor; rows >= valid_rows are padding
+    _layout: ShardLayout
+    _views: tuple  # tuple[ViewStep, ...]; () for the base tensor
+    _gatherer: Any  # gather.Gatherer that schedules this parameter's gathers, or None (on demand)
+    _name: str
+
+    # Outputs of torch functions must not be turned into ShardedParams by the default __torch_function__.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local, layout, views=(), gatherer=None, name="", requires_grad=False):
+        shape, stride, offset = _view_geometry(layout.shape, views) if views else (layout.shape, None, 0)
+        if stride is None:
+            self = torch.Tensor._make_wrapper_subclass(
+                cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
+            )
+        else:
+            self = torch.Tensor._make_wrapper_subclass(
+                cls, shape, strides=stride, storage_offset=offset,
+                dtype=local.dtype, device=local.device, requires_grad=requires_grad,
+            )
+        self._local = local
+        self._layout = layout
+        self._views = views
+        self._gatherer = gatherer
+        self._name = name
+        return self
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def _from_local(cls, local, layout, *, views=(), gatherer=None, name="", requires_grad=False) -> "ShardedParam":
+        return cls(local, layout, views, gatherer, name, requires_grad)
+
+    @classmethod
+    def from_full(cls, full: torch.Tensor, group=None, *, name: str = "", requires_grad: bool = False) -> "ShardedParam":
+        """Shard a tensor that every rank holds in full (same values on every rank); keeps this rank's rows."""
+        if full.dim() == 0:
+            raise ValueError(f"ShardedParam.from_full: cannot shard a 0-d tensor along dim 0 ({name or 'tensor'})")
+        layout = ShardLayout.for_shape(full.shape, group)
+        return cls(layout.shard_of(full.detach()), layout, (), None, name, requires_grad)
+
+    # ------------------------------------------------------------------ public API
+    def to_local(self) -> torch.Tensor:
+        """This rank's rows of the base tensor (padded; views not applied).  Never communicates."""
+        return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The full tensor (views applied), gathered from all ranks.  Differentiable: grads flow back sharded."""
+        return _FullTensor.apply(self)
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self._layout
+
+    @property
+    def placement_name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:  # never communicates, never raises
+        try:
+            layout = self._layout
+            views = f", views={[step.func.__name__ for step in self._views]}" if self._views else ""
+            name = f", name={self._name!r}" if self._name else ""
+            grad = ", requires_grad=True" if self.requires_grad else ""
+            return (
+                f"ShardedParam(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"local_rows={layout.valid_rows}/{layout.rows_per_rank}, rank={layout.rank}/{layout.world}"
+                f"{views}{name}{grad})"
+            )
+        except Exception as exc:  # noqa: BLE001 - a repr must not raise
+            return f"ShardedParam(<unprintable: {type(exc).__name__}>)"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return format(repr(self), spec)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch_op  # import cycle: dispatch needs ShardedParam
+
+        return dispatch_op(func, args, kwargs or {})
+
+    # torch.compile / torch.export see through the wrapper (DTensor does the same).
+    def __tensor_flatten__(self):
+        return ["_local"], (self._layout, self._views, self._name)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        layout, views, name = ctx
+        return ShardedParam(inner_tensors["_local"], layout, views, None, name)
+
+
+class _FullTensor(torch.autograd.Function):
+    """Gather for the user; the incoming full gradient flows to the parameter unchanged (its hook shards it)."""
+
+    @staticmethod
+    def forward(ctx, param: ShardedParam) -> torch.Tensor:
+        from .gather import gather_full
+
+        return gather_full(param).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad

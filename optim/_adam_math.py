@@ -112,14 +112,19 @@ def adamw_rollback_(
         v = [exp_avg_sqs[i] for i in later]
         g = [grads[i] for i in later]
         w = _f32(1.0 - hp.beta1)
-        # m0 = m1 + (-w / (1 - w)) * (g - m1): a lerp again; measured more often bit-exact than (m1 - w g) / (1 - w)
-        torch._foreach_lerp_(m, g, -w / (1.0 - w))
-        c = _f32(1.0 - hp.beta2)
-        sq = torch._foreach_mul(g, c)  # (c * g) * g, the forward's order
-        torch._foreach_mul_(sq, g)
-        torch._foreach_sub_(v, sq)
-        torch._foreach_div_(v, _f32(hp.beta2))
-        torch._foreach_clamp_min_(v, 0.0)
+        if hp.beta1 == 0.0:  # m1 = g: m0 is gone, and no later step reads it; zeros keep the state defined
+            torch._foreach_zero_(m)
+        else:  # m0 = m1 + (-w / (1 - w)) (g - m1): a lerp again; more often bit-exact than (m1 - w g) / (1 - w)
+            torch._foreach_lerp_(m, g, -w / (1.0 - w))
+        if hp.beta2 == 0.0:
+            torch._foreach_zero_(v)
+        else:
+            c = _f32(1.0 - hp.beta2)
+            sq = torch._foreach_mul(g, c)  # (c * g) * g, the forward's order
+            torch._foreach_mul_(sq, g)
+            torch._foreach_sub_(v, sq)
+            torch._foreach_div_(v, _f32(hp.beta2))
+            torch._foreach_clamp_min_(v, 0.0)
     for i in first:
         exp_avgs[i].zero_()
         exp_avg_sqs[i].zero_()

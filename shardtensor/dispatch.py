@@ -48,12 +48,21 @@ def implements(ops):
 
 
 def dispatch_op(func, args: tuple, kwargs: dict):
+    return _rule_for(func)(func, args, kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _rule_for(func) -> Callable:
+    """The rule of ``func``: its table entry, else by family (foreach / fused optimizer / pointwise), else compute."""
     rule = _TABLE.get(func) or _TABLE.get(func.overloadpacket)
     if rule is not None:
-        return rule(func, args, kwargs)
+        return rule
+    name = func.overloadpacket.__name__
+    if name.startswith("_foreach_") or name in _FUSED_OPTIMIZER_OPS:
+        return _foreach_local
     if torch.Tag.pointwise in func.tags or func in _EXTRA_LOCAL_OPS:
-        return _local_or_compute(func, args, kwargs)
-    return compute(func, args, kwargs)
+        return _local_or_compute
+    return compute
 
 
 # ====================================================================== helpers
@@ -290,13 +299,9 @@ def _foreach_local(func, args, kwargs):
     return out if not params else _wrap_like(params[0], out)
 
 
-for _name in dir(aten):
-    if _name.startswith("_foreach_") and _name not in ("_foreach_norm",):
-        _TABLE[getattr(aten, _name)] = _foreach_local
-for _name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_", "_fused_adam", "_fused_adamw",
-              "_fused_sgd", "_fused_adagrad"):
-    if hasattr(aten, _name):
-        _TABLE[getattr(aten, _name)] = _foreach_local
+# torch.optim's fused kernels: lists of params, grads and states, updated in place (``_foreach_*`` too).
+_FUSED_OPTIMIZER_OPS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_", "_fused_adam",
+                        "_fused_adamw", "_fused_sgd", "_fused_adagrad"}
 
 
 # ====================================================================== 3. reductions

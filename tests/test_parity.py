@@ -1,0 +1,231 @@
+"""Sharded training equals unsharded training on the concatenated batch (DESIGN.md section 10).
+
+Each rank trains on its own micro-batch; the reference (run on every rank, same seed) trains one unsharded
+copy on all micro-batches with the mean loss, which is the concatenated batch for every model here (BatchNorm
+included: the reference normalises each micro-batch separately, as each rank does).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from rank_pool import run_on_ranks
+
+OPTIMIZERS = ["sgd", "adam", "adamw"]
+IMPLS = ["forloop", "foreach", "fused"]
+
+
+def make_optimizer(kind: str, impl: str, params, lr: float, dtype=torch.float64):
+    # Adam's eps: attention's key bias has an identically zero gradient, so there both runs see only rounding
+    # noise, and Adam divides it by its own magnitude: with eps far below the noise, two exact but differently
+    # rounded runs take lr-sized steps of either sign.  In float64 the noise (~1e-17) is far below eps=1e-8; in
+    # float32 (noise ~1e-9) eps=1e-5 keeps the comparison about sharding.  Real gradients are far above both.
+    eps = 1e-8 if dtype == torch.float64 else 1e-5
+    flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, eps=eps, **flags)
+    return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=0.1, **flags)
+
+
+# ---------------------------------------------------------------------------------------------- models
+def build_mlp(seed: int, widths: list[int]) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def mlp_batch(gen: torch.Generator, n: int, widths: list[int]):
+    return (torch.randn(n, widths[0], generator=gen),), torch.randn(n, widths[-1], generator=gen)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding tied to the output head, LayerNorm, attention through nn.MultiheadAttention."""
+
+    def __init__(self, vocab: int, dim: int, heads: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.tensor(1.5))  # a 0-d parameter: replicated, grads averaged
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        a, _ = self.attn(x, x, x, need_weights=False)
+        x = self.ln(x + a)
+        x = x + self.ff(x)
+        return self.head(x) / self.temperature
+
+
+class CrossAttention(nn.Module):
+    """nn.MultiheadAttention with distinct query and key/value: the packed in_proj weight gets split (a view)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, q, kv):
+        return self.attn(q, kv, kv, need_weights=False)[0]
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, 3, padding=1, bias=False)  # no bias before BatchNorm
+        self.bn = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, 5, 3)
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv1(x)))
+        x = self.conv2(x).mean(dim=(2, 3))
+        return self.fc(x)
+
+
+def build(case: dict) -> nn.Module:
+    return _build(case).to(case["dtype"])
+
+
+def _build(case: dict) -> nn.Module:
+    torch.manual_seed(case["seed"])
+    kind = case["model"]
+    if kind == "mlp":
+        return build_mlp(case["seed"], case["widths"])
+    if kind == "transformer":
+        return TinyTransformer(case["vocab"], 8, 2)
+    if kind == "mha":
+        return CrossAttention(6, 2)
+    if kind == "conv":
+        return ConvNet(case["channels"])
+    raise ValueError(kind)
+
+
+def batch(case: dict, gen: torch.Generator, n: int):
+    inputs, target = _batch(case, gen, n)
+    cast = lambda t: t.to(case["dtype"]) if t.is_floating_point() else t  # noqa: E731
+    return tuple(cast(t) for t in inputs), cast(target)
+
+
+def _batch(case: dict, gen: torch.Generator, n: int):
+    kind = case["model"]
+    if kind == "mlp":
+        return mlp_batch(gen, n, case["widths"])
+    if kind == "transformer":
+        idx = torch.randint(0, case["vocab"], (n, 5), generator=gen)
+        return (idx,), torch.randint(0, case["vocab"], (n, 5), generator=gen)
+    if kind == "mha":
+        return (torch.randn(n, 3, 6, generator=gen), torch.randn(n, 4, 6, generator=gen)), torch.randn(n, 3, 6, generator=gen)
+    if kind == "conv":
+        return (torch.randn(n, 3, 6, 6, generator=gen),), torch.randint(0, 3, (n,), generator=gen)
+    raise ValueError(kind)
+
+
+def loss_fn(case: dict, out, target):
+    if case["model"] == "transformer":
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+    if case["model"] == "conv":
+        return nn.functional.cross_entropy(out, target)
+    return (out - target).square().mean()
+
+
+# ---------------------------------------------------------------------------------------------- per rank
+def train_and_compare(case: dict) -> float:
+    """Runs on every rank: sharded training vs the unsharded reference; returns the max parameter difference."""
+    import shardtensor
+    from shardtensor import _comm
+
+    world, rank = _comm.world_size(), _comm.rank()
+    model = build(case)
+    reference = copy.deepcopy(model)
+    shardtensor.shard_module(model, gather=case["gather"])
+    opt = make_optimizer(case["opt"], case["impl"], model.parameters(), case["lr"], case["dtype"])
+    ref_opt = make_optimizer(case["opt"], case["impl"], reference.parameters(), case["lr"], case["dtype"])
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    for _step in range(3):
+        micro = [batch(case, gen, case["micro"]) for _ in range(world)]
+        inputs, target = micro[rank]
+        loss_fn(case, model(*inputs), target).backward()
+        ref_loss = sum(loss_fn(case, reference(*i), t) for i, t in micro) / world
+        ref_loss.backward()
+        if case["clip"] is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case["clip"])
+            assert abs(norm.item() - ref_norm.item()) <= 1e-4 * max(1.0, ref_norm.item()), (norm, ref_norm)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    expected = reference.state_dict()
+    assert full.keys() == expected.keys()
+    worst = 0.0
+    for name, value in expected.items():
+        if value.is_floating_point() and "running" not in name:
+            worst = max(worst, (full[name] - value).abs().max().item())
+    return worst
+
+
+cases = st.fixed_dictionaries({
+    "seed": st.integers(0, 10_000),
+    "world": st.sampled_from([1, 2, 4]),
+    "gather": st.sampled_from(["sequential", "overlapped"]),
+    "opt": st.sampled_from(OPTIMIZERS),
+    "impl": st.sampled_from(IMPLS),
+    "lr": st.sampled_from([1e-3, 1e-2]),
+    "clip": st.sampled_from([None, 0.05, 1.0]),
+    "micro": st.integers(1, 3),
+    "dtype": st.sampled_from([torch.float32, torch.float64]),
+})
+
+PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+
+def _check(case: dict) -> None:
+    worst = max(run_on_ranks(case["world"], train_and_compare, case))
+    assert worst <= 1e-5, f"max |sharded - unsharded| = {worst:.3g} for {case}"
+
+
+@PROPERTY
+@given(cases, st.lists(st.integers(1, 9), min_size=2, max_size=4))
+def test_mlp_parity(case, widths):
+    """Random widths: rows not divisible by the world size, and 1-row weights / 1-element biases."""
+    _check({**case, "model": "mlp", "widths": widths})
+
+
+@PROPERTY
+@given(cases, st.integers(3, 11))
+def test_tied_transformer_parity(case, vocab):
+    _check({**case, "model": "transformer", "vocab": vocab})
+
+
+@PROPERTY
+@given(cases, st.integers(2, 7))
+def test_conv_batchnorm_parity(case, channels):
+    _check({**case, "model": "conv", "channels": channels})
+
+
+@PROPERTY
+@given(cases)
+def test_multihead_attention_parity(case):
+    _check({**case, "model": "mha"})
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("gather", ["sequential", "overlapped"])
+def test_every_optimizer_form_on_two_ranks(opt, impl, gather):
+    """The grid the property draws from, each cell once (world 2, odd widths, clipping on)."""
+    _check({"seed": 7, "world": 2, "gather": gather, "opt": opt, "impl": impl, "lr": 1e-2, "clip": 0.5,
+            "micro": 2, "model": "mlp", "widths": [5, 3, 1], "dtype": torch.float32})

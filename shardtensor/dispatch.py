@@ -21,7 +21,6 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _comm
 from .tensor import ShardedParam, ViewStep, apply_views
@@ -66,9 +65,39 @@ def _rule_for(func) -> Callable:
 
 
 # ====================================================================== helpers
-def _params_in(tree) -> list[ShardedParam]:
-    leaves, _ = tree_flatten(tree)
-    return [x for x in leaves if isinstance(x, ShardedParam)]
+# Aten op arguments nest at most one level (``Tensor[]``), so these scans replace pytree on the hot path.
+def _params_in(args, kwargs=None) -> list[ShardedParam]:
+    found = []
+    for group in (args, kwargs.values() if kwargs else ()):
+        for x in group:
+            if isinstance(x, ShardedParam):
+                found.append(x)
+            elif isinstance(x, (list, tuple)):
+                found.extend(t for t in x if isinstance(t, ShardedParam))
+    return found
+
+
+def _map_args(fn, args: tuple) -> tuple:
+    return tuple([fn(t) for t in x] if isinstance(x, (list, tuple)) else fn(x) for x in args)
+
+
+def _map_kwargs(fn, kwargs: dict) -> dict:
+    return {k: ([fn(t) for t in x] if isinstance(x, (list, tuple)) else fn(x)) for k, x in kwargs.items()} if kwargs else kwargs
+
+
+def _map_out(fn, out):
+    if isinstance(out, (list, tuple)):
+        return type(out)(fn(x) for x in out)
+    return fn(out)
+
+
+def _leaves(args, kwargs):
+    for group in (args, kwargs.values()):
+        for x in group:
+            if isinstance(x, (list, tuple)):
+                yield from x
+            else:
+                yield x
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,13 +112,13 @@ def _written_params(func, args, kwargs) -> list[ShardedParam]:
     written = []
     for position, name in _written_args(func):
         value = args[position] if position < len(args) else kwargs.get(name)
-        written += _params_in(value)
+        written += _params_in((value,))
     return written
 
 
 def _describe(func, args, kwargs) -> str:
     kinds = [type(x).__name__ + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else "")
-             for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+             for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)]
     return f"{func} with tensor arguments {kinds}"
 
 
@@ -141,7 +170,7 @@ def _wrap_like(template: ShardedParam, out):
             return ShardedParam(t, template._layout, template._views, None, template._name)
         return t
 
-    return tree_map(wrap, out)
+    return _map_out(wrap, out)
 
 
 # ====================================================================== 1. views
@@ -163,7 +192,7 @@ def _freeze(x):
 def _view(func, args, kwargs):
     """Record the view; ``F.linear``'s ``t(weight)`` lands here, and so does autograd's saved copy of it."""
     self = args[0]
-    if not isinstance(self, ShardedParam) or _params_in((args[1:], kwargs)):
+    if not isinstance(self, ShardedParam) or _params_in(args[1:], kwargs):
         return compute(func, args, kwargs)
     step = ViewStep(func, _freeze(list(args[1:])), tuple(sorted(kwargs.items())), None)
     return ShardedParam(self._local, self._layout, self._views + (step,), self._gatherer, self._name)
@@ -190,12 +219,11 @@ _EXTRA_LOCAL_OPS = {
 
 
 def _local_or_compute(func, args, kwargs):
-    params = _params_in((args, kwargs))
+    params = _params_in(args, kwargs)
     written = _written_params(func, args, kwargs)
-    leaves, _ = tree_flatten((args, kwargs))
     allow_scalars = bool(written) or not torch.is_grad_enabled()
-    if _localizable(params) and _plain_tensors_ok(leaves, allow_scalars):
-        out = func(*tree_map(_to_local, args), **tree_map(_to_local, kwargs))
+    if _localizable(params) and _plain_tensors_ok(_leaves(args, kwargs), allow_scalars):
+        out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
         if written:
             return kwargs["out"] if "out" in kwargs else args[0]
         return _wrap_like(params[0], out)
@@ -279,15 +307,15 @@ def _foreach_localizable(lists_and_rest) -> bool:
 
 def _foreach_local(func, args, kwargs):
     """``torch.optim``'s foreach and fused paths (and ``clip_grad_norm_``'s ``_foreach_mul_``)."""
-    params = _params_in((args, kwargs))
+    params = _params_in(args, kwargs)
     if not _foreach_localizable(list(args) + list(kwargs.values())):
         if _written_params(func, args, kwargs):
             _refuse(func, args, kwargs, "the lists mix shards of different layouts or full plain tensors")
         return compute(func, args, kwargs)
-    for value in tree_flatten(kwargs)[0]:  # grad_scale / found_inf / lr tensors must be scalars
+    for value in _leaves((), kwargs):  # grad_scale / found_inf / lr tensors must be scalars
         if isinstance(value, torch.Tensor) and not isinstance(value, ShardedParam) and value.numel() != 1:
             _refuse(func, args, kwargs, f"a keyword tensor of shape {tuple(value.shape)} is not a scalar")
-    out = func(*tree_map(_to_local, args), **tree_map(_to_local, kwargs))
+    out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
     if out is None or _written_params(func, args, kwargs) and not isinstance(out, (list, tuple)):
         return out
     first = args[0]
@@ -313,7 +341,7 @@ def _whole_tensor_operand(func, args, kwargs, dim_arg=None) -> bool:
     self = args[0]
     if not isinstance(self, ShardedParam) or not _chain_is_bijective(self._views):
         return False
-    if _params_in((args[1:], kwargs)):
+    if _params_in(args[1:], kwargs):
         return False
     if dim_arg is not None:
         dim = args[dim_arg] if len(args) > dim_arg else kwargs.get("dim")
@@ -478,10 +506,10 @@ def compute(func, args, kwargs):
     written = _written_params(func, args, kwargs)
     if written:
         _refuse(func, args, kwargs, "it is not an op that can run on this rank's shard")
-    params = _params_in((args, kwargs))
+    params = _params_in(args, kwargs)
     with _Gathered(params) as fulls:
         swap = lambda x: fulls[id(x)] if isinstance(x, ShardedParam) else x  # noqa: E731
-        out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
+        out = func(*_map_args(swap, args), **_map_kwargs(swap, kwargs))
         return _unalias(out, fulls)
 
 
@@ -496,7 +524,7 @@ def _unalias(out, fulls: dict[int, torch.Tensor]):
             return t.clone()
         return t
 
-    return tree_map(fix, out)
+    return _map_out(fix, out)
 
 
 # Decompositions that keep sequential mode at one gathered parameter per op: the bias (or norm weight) is
@@ -516,7 +544,7 @@ def _apply_with(p, fn):
 @implements(aten.addmm.default)
 def _addmm(func, args, kwargs):
     bias, mat1, mat2 = args[:3]
-    params = _params_in((args, kwargs))
+    params = _params_in(args, kwargs)
     if not _one_param_at_a_time(params) or not isinstance(bias, ShardedParam):
         return compute(func, args, kwargs)
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)

@@ -132,6 +132,13 @@ def adamw_rollback_(
 
 
 @torch.no_grad()
+def finite_checks(grads: list[torch.Tensor]) -> list[float]:
+    """0.0 per finite gradient, inf otherwise: the check without the norm (``sum`` reads at memory speed, about
+    twice as fast as ``vector_norm`` on the CPU; a sum is non-finite iff an element is, or it overflows)."""
+    return [0.0 if math.isfinite(float(g.sum())) else math.inf for g in grads]
+
+
+@torch.no_grad()
 def sq_norms(grads: list[torch.Tensor]) -> list[float]:
     """Squared L2 norm of each gradient, as Python floats (inf/NaN where a gradient is not finite).
 

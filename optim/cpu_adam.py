@@ -48,7 +48,7 @@ import torch
 
 from shardtensor import _comm
 
-from ._adam_math import Hyper, adamw_rollback_, adamw_step_, hyper_of, sq_norms
+from ._adam_math import Hyper, adamw_rollback_, adamw_step_, finite_checks, hyper_of, sq_norms
 
 __all__ = ["CPUAdam", "SpeculationStats"]
 
@@ -160,6 +160,9 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: decoupled weight decay, AdamW's. (Default: 0.01)
         max_grad_norm: clip the global gradient norm (all ranks) to this; None: no clipping. (Default: None)
         speculative: step each parameter on a CPU worker when its gradient is ready. (Default: True)
+        skip_nonfinite: skip the whole step when a gradient (on any rank) holds inf/NaN; False gives torch's
+            AdamW behaviour (NaN propagates) and saves the pass over the gradients that the check costs when no
+            clipping needs the norm anyway. (Default: True)
         clip_patience: pause speculation after this many clipped steps in a row. (Default: 3)
         process_group: group over which sharded norms and the inf/NaN flag are reduced. (Default: None = world)
         timeout_s: longest wait for one worker job before raising. (Default: 300)
@@ -175,6 +178,7 @@ class CPUAdam(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         speculative: bool = True,
         *,
+        skip_nonfinite: bool = True,
         clip_patience: int = 3,
         process_group: Any = None,
         timeout_s: float = 300.0,
@@ -187,9 +191,11 @@ class CPUAdam(torch.optim.Optimizer):
         self.speculative = speculative
         self.max_grad_norm = max_grad_norm
         self.clip_patience = clip_patience
+        self.skip_nonfinite = skip_nonfinite
         self.process_group = process_group
         self.timeout_s = timeout_s
         self.stats = SpeculationStats()
+        self.last_grad_norm = math.nan  # global gradient norm of the last step (with max_grad_norm only)
         self._slots: dict[int, _Slot] = {}  # id(param) -> slot, created lazily (meta-device models materialise late)
         self._order: dict[int, int] = {}  # id(param) -> index
         self._groups_by_id: Optional[dict[int, dict]] = None
@@ -278,6 +284,14 @@ class CPUAdam(torch.optim.Optimizer):
     def _may_speculate(self) -> bool:
         return self.speculative and not self._halted and not self._accumulating and not self._paused()
 
+    def _check(self, grads: list[torch.Tensor]) -> list[float]:
+        """Squared norms when clipping needs them; else only finiteness (0.0 / inf); else nothing (0.0)."""
+        if self.max_grad_norm is not None:
+            return sq_norms(grads)
+        if self.skip_nonfinite:
+            return finite_checks(grads)
+        return [0.0] * len(grads)
+
     def _paused(self) -> bool:
         return self.max_grad_norm is not None and self._clip_streak >= self.clip_patience
 
@@ -348,7 +362,7 @@ class CPUAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def _speculate_job(self, slot: _Slot, hp: Hyper, t: int) -> None:
         g = self._host_grad_ready(slot)
-        slot.sumsq = sq_norms([g])[0]
+        slot.sumsq = self._check([g])[0]
         if not math.isfinite(slot.sumsq):
             self._halted = True  # never step a non-finite gradient; nothing else speculates this step
             return
@@ -424,6 +438,8 @@ class CPUAdam(torch.optim.Optimizer):
         Replicated contributions are averaged over ranks (identical when the grads are, as data parallelism makes
         them); whatever they are, every rank reaches the same decision.
         """
+        if self.max_grad_norm is None and not self.skip_nonfinite:
+            return True, math.nan  # nothing to validate: no collective either
         sharded = replicated = 0.0
         nonfinite = 0
         for slot in slots:  # param order: same summation order on every path
@@ -528,7 +544,7 @@ class CPUAdam(torch.optim.Optimizer):
             rolled_back = True
         rest = [s for s in slots if s.spec_hp is None]
         rest_grads = self._host_grads(rest)
-        for s, sq in zip(rest, sq_norms(rest_grads)):
+        for s, sq in zip(rest, self._check(rest_grads)):
             s.sumsq = sq
         finite, norm = self._global_norm(slots)
         clip = finite and self.max_grad_norm is not None and self.max_grad_norm / (norm + 1e-6) < 1.0
@@ -563,7 +579,7 @@ class CPUAdam(torch.optim.Optimizer):
         if hooks_seen:
             self._expected_hooks = hooks_seen  # rule 5
         self._reset_step_bookkeeping(all_slots)
-        self.last_grad_norm = norm
+        self.last_grad_norm = norm if self.max_grad_norm is not None else math.nan  # only clipping computes it
         return loss
 
     def _undo_speculation(self, slots: list[_Slot]) -> None:

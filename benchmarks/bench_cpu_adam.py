@@ -1,0 +1,175 @@
+"""Is CPUAdam's step at least as fast as torch's fused CPU AdamW?  (DESIGN.md section 7)
+
+Every optimizer steps the *same* parameter and gradient tensors (CPU fp32, or the device with ``--device cuda``),
+each with its own state; timings are interleaved (one step of each, repeated) and the median is reported.
+GB/s counts AdamW's minimum traffic, 28 bytes/param (read p, g, m, v; write p, m, v), beside a measured
+memory-copy rate (8 bytes/element: read + write) on the same machine.  The rollback row times
+``CPUAdam.rollback()`` (foreach inversion), and the JSON records the inversion error of one step.
+
+    python benchmarks/bench_cpu_adam.py                       # 'model' layout, 32M params, all cores
+    python benchmarks/bench_cpu_adam.py --layout large --numel 33554432
+    python benchmarks/bench_cpu_adam.py --device cuda         # params on the GPU, CPUAdam state on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from shardtensor.optim import CPUAdam  # noqa: E402
+
+BYTES_PER_PARAM = 28  # fp32 p, g, m, v read; p, m, v written
+
+
+def shapes_for(layout: str, numel: int) -> list[tuple[int, ...]]:
+    """'large': 4 equal matrices.  'model': transformer-like blocks (4 d^2 attention, 8 d^2 MLP, 9 vectors)."""
+    if layout == "large":
+        rows = max(1, numel // (4 * 1024))
+        return [(rows, 1024)] * 4
+    d = 1024
+    per_block = 12 * d * d + 13 * d
+    blocks = max(1, numel // per_block)
+    out: list[tuple[int, ...]] = []
+    for _ in range(blocks):
+        out += [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,), (d,), (d,)]
+    return out
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def memcpy_gbps(numel: int, repeats: int) -> float:
+    x = torch.randn(numel)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        y.copy_(x)
+        times.append(time.perf_counter() - t)
+    return 8 * numel / statistics.median(times) / 1e9
+
+
+def rollback_error(shape, seed: int = 0) -> dict:
+    """One step then rollback() on a warm state; error in float32 ulps of the cancelled term, bit-exact fractions."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(shape, generator=g))
+    opt = CPUAdam([p], lr=1e-3, speculative=False)
+    for _ in range(10):
+        p.grad = 0.01 * torch.randn(shape, generator=g)
+        opt.step()
+    st = opt.state[p]
+    before = dict(p=p.detach().clone(), m=st["exp_avg"].clone(), v=st["exp_avg_sq"].clone())
+    p.grad = 0.01 * torch.randn(shape, generator=g)
+    opt.step()
+    opt.rollback()
+    after = dict(p=p.detach(), m=st["exp_avg"], v=st["exp_avg_sq"])
+    eps = torch.finfo(torch.float32).eps
+    gr = p.grad.abs()
+    unit = dict(p=eps * torch.maximum(before["p"].abs(), torch.tensor(1e-3)),
+                m=eps * torch.maximum(before["m"].abs(), 0.1 * gr), v=eps * torch.maximum(before["v"], 1e-3 * gr * gr))
+    out = {}
+    for k in ("p", "m", "v"):
+        d = (after[k] - before[k]).abs()
+        out[k] = dict(bit_exact_fraction=(d == 0).float().mean().item(), max_abs=d.max().item(),
+                      max_ulps_of_cancelled_term=(d / unit[k]).max().item())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layout", choices=["model", "large"], default="model")
+    ap.add_argument("--numel", type=int, default=32 << 20, help="approximate total parameters")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cpu_adam_<layout>_<device>.json)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    shapes = shapes_for(args.layout, args.numel)
+    params = [torch.nn.Parameter(torch.randn(s, device=args.device)) for s in shapes]
+    for p in params:
+        p.grad = 0.01 * torch.randn_like(p)
+    numel = sum(p.numel() for p in params)
+
+    hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    # Rows: the bare step (no inf/NaN check, as torch's), the default (inf/NaN check: one read of the grads),
+    # and both sides with clipping (a norm that never clips: same passes, comparable numbers).
+    clip_ref = torch.optim.AdamW(params, fused=True, **hp)
+
+    class FusedWithClip:
+        def step(self):
+            torch.nn.utils.clip_grad_norm_(params, 1e30, foreach=True)
+            clip_ref.step()
+
+    impls = {
+        "CPUAdam": CPUAdam(params, speculative=False, skip_nonfinite=False, **hp),
+        "CPUAdam +inf check": CPUAdam(params, speculative=False, **hp),
+        "CPUAdam +clip": CPUAdam(params, speculative=False, max_grad_norm=1e30, **hp),
+        "torch fused +clip": FusedWithClip(),
+        "torch AdamW fused": torch.optim.AdamW(params, fused=True, **hp),
+        "torch AdamW foreach": torch.optim.AdamW(params, foreach=True, **hp),
+        "torch AdamW for-loop": torch.optim.AdamW(params, foreach=False, **hp),
+    }
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    times["CPUAdam rollback"] = []
+    for opt in impls.values():  # state allocation outside the timings
+        opt.step()
+    sync(args.device)
+    for _ in range(args.repeats):
+        for name, opt in impls.items():
+            t = time.perf_counter()
+            opt.step()
+            sync(args.device)
+            times[name].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        impls["CPUAdam"].rollback()
+        sync(args.device)
+        times["CPUAdam rollback"].append(time.perf_counter() - t)
+
+    copy_gbps = memcpy_gbps(numel, args.repeats)
+    fused = statistics.median(times["torch AdamW fused"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        gbps = BYTES_PER_PARAM * numel / med / 1e9
+        rows.append(dict(impl=name, median_ms=med * 1e3, min_ms=min(ts) * 1e3, gparams_per_s=numel / med / 1e9,
+                         gb_per_s=gbps, fraction_of_memcpy=gbps / copy_gbps, speed_vs_fused=fused / med))
+
+    print(f"AdamW step, {numel / 1e6:.1f}M params in {len(shapes)} tensors ({args.layout}), device={args.device}, "
+          f"{args.threads} threads, torch {torch.__version__}; memcpy {copy_gbps:.1f} GB/s; median of {args.repeats}")
+    print(f"{'impl':<22}{'ms':>9}{'min ms':>9}{'Gparam/s':>10}{'GB/s':>8}{'of memcpy':>11}{'vs fused':>10}")
+    for r in rows:
+        print(f"{r['impl']:<22}{r['median_ms']:>9.2f}{r['min_ms']:>9.2f}{r['gparams_per_s']:>10.3f}"
+              f"{r['gb_per_s']:>8.1f}{r['fraction_of_memcpy']:>10.2f}x{r['speed_vs_fused']:>9.2f}x")
+    err = rollback_error((1024, 1024))
+    print("rollback error (1 step, 1M params, warm state):",
+          {k: f"exact {v['bit_exact_fraction']:.3f}, max {v['max_ulps_of_cancelled_term']:.2f} ulp" for k, v in err.items()})
+
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"cpu_adam_{args.layout}_{args.device}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(dict(
+            command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+            config=dict(layout=args.layout, numel=numel, tensors=len(shapes), threads=args.threads,
+                        device=args.device, repeats=args.repeats, hyper=dict(hp, betas=list(hp["betas"]))),
+            machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__),
+            memcpy_gb_per_s=copy_gbps, bytes_per_param=BYTES_PER_PARAM, results=rows, rollback_error=err,
+        ), f, indent=2)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

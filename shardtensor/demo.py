@@ -23,14 +23,14 @@ import torch
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m shardtensor.demo", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (Default: 2)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (Default: 40)")
+    p.add_argument("--steps", type=int, default=25, help="optimizer steps (Default: 25)")
     p.add_argument("--gather", default="overlapped", choices=["sequential", "overlapped", "auto"])
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (Default: 4)")
     p.add_argument("--block", type=int, default=64, help="sequence length (Default: 64)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--no-baseline", action="store_true", help="skip the unsharded (DDP) run")
     return p.parse_args(argv)
 

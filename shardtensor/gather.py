@@ -114,7 +114,9 @@ class Gatherer:
 
     @property
     def recorded_order(self) -> list[str]:
-        return [self._params[i]._name for i in self._order]
+        """Parameter names in gather order: the order being recorded, else the one being replayed."""
+        order = self._recording if self._is_recording else self._order
+        return [self._params[i]._name for i in order]
 
     def alive_buffers(self) -> int:
         """Gathered buffers still referenced anywhere (not only here): for tests of memory lifetime."""

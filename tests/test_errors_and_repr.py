@@ -1,0 +1,151 @@
+"""Bad input fails loudly; repr/str never communicate and never raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import shardtensor
+from shardtensor import ShardedOpError, ShardedParam, ShardLayout
+from rank_pool import run_on_ranks
+
+
+def test_repr_and_str_need_no_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    p = ShardedParam.from_full(torch.randn(5, 3), name="w")
+    for text in (repr(p), str(p), f"{p}", repr(p.t()), repr(p.detach())):
+        assert "ShardedParam" in text and "(5, 3)" in text or "(3, 5)" in text
+
+
+def test_repr_survives_a_broken_layout():
+    p = ShardedParam.from_full(torch.randn(4, 2))
+    object.__setattr__(p, "_layout", None)  # what a half-built object in a debugger may look like
+    assert "unprintable" in repr(p)
+
+
+def remote_repr() -> str:
+    p = shardtensor.shard_module(nn.Linear(3, 5)).weight
+    return repr(p)
+
+
+def test_repr_on_ranks_reports_the_local_rows():
+    texts = run_on_ranks(2, remote_repr)
+    assert "local_rows=3/3, rank=0/2" in texts[0]
+    assert "local_rows=2/3, rank=1/2" in texts[1]
+
+
+def test_inplace_op_that_cannot_run_on_shards_names_the_op():
+    model = shardtensor.shard_module(nn.Linear(4, 3))
+    with torch.no_grad():
+        with pytest.raises(ShardedOpError, match=r"aten\.index_put_|aten\.index_fill_|weight"):
+            model.weight[0] = 1.0  # a slice assignment: not a shard-wise op
+        with pytest.raises(ShardedOpError, match=r"aten\.add_"):
+            model.weight.add_(torch.ones(3, 4))  # full plain operand: which rank's copy would it be?
+        with pytest.raises(ShardedOpError, match=r"aten\.addmm_"):
+            model.weight.addmm_(torch.ones(3, 2), torch.ones(2, 4))
+
+
+def test_inplace_ops_that_can_run_on_shards_update_the_shard():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    expected = model.weight.detach() * 3 + 1
+    shardtensor.shard_module(model)
+    with torch.no_grad():
+        model.weight.mul_(3).add_(1)
+    torch.testing.assert_close(model.weight.full_tensor(), expected)
+
+
+def test_sharding_twice_is_a_clear_error():
+    model = shardtensor.shard_module(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="already sharded"):
+        shardtensor.shard_module(model)
+
+
+def test_unknown_gather_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="gather="):
+        shardtensor.shard_module(nn.Linear(2, 2), gather="fast")
+
+
+def test_buffers_and_integer_params_stay_plain():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    model.register_parameter("counter", nn.Parameter(torch.tensor([1, 2]), requires_grad=False))
+    shardtensor.shard_module(model)
+    assert isinstance(model[0].weight, ShardedParam)
+    assert not isinstance(model[1].running_mean, ShardedParam)
+    assert not isinstance(model.counter, ShardedParam)
+
+
+def test_full_state_dict_round_trip_and_shape_errors():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))
+    expected = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = shardtensor.shard_module(plain)
+    full = shardtensor.full_state_dict(model)
+    assert full.keys() == expected.keys()
+    for key in expected:
+        assert not isinstance(full[key], ShardedParam)
+        torch.testing.assert_close(full[key], expected[key])
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in full.items()}
+    shardtensor.load_full_state_dict(model, changed)
+    for key, value in shardtensor.full_state_dict(model).items():
+        torch.testing.assert_close(value, changed[key])
+    with pytest.raises(ValueError, match=r"'0\.weight'"):
+        shardtensor.load_full_state_dict(model, {**changed, "0.weight": torch.zeros(4, 3)})
+
+
+def state_dict_on_ranks(seed: int) -> list[float]:
+    torch.manual_seed(seed)
+    plain = nn.Sequential(nn.Linear(3, 7), nn.Linear(7, 1))
+    expected = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = shardtensor.shard_module(plain)
+    shardtensor.load_full_state_dict(model, {k: v * 2 for k, v in expected.items()})
+    full = shardtensor.full_state_dict(model)
+    return [(full[k] - 2 * expected[k]).abs().max().item() for k in expected]
+
+
+def test_load_full_state_dict_keeps_each_ranks_rows():
+    for diffs in run_on_ranks(4, state_dict_on_ranks, 5):
+        assert max(diffs) == 0.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(1, 4), world=st.integers(1, 5), rank_seed=st.integers(0, 100))
+def test_layout_rows_cover_the_tensor_exactly_once(rows, cols, world, rank_seed):
+    shape = torch.Size((rows, cols))
+    full = torch.randn(shape)
+    pieces = []
+    for rank in range(world):
+        layout = ShardLayout(shape, -(-rows // world), rank, world)
+        local = layout.shard_of(full)
+        assert local.shape[0] == layout.rows_per_rank
+        assert torch.all(local[layout.valid_rows:] == 0), "padding rows are zero"
+        pieces.append(local[: layout.valid_rows])
+    torch.testing.assert_close(torch.cat(pieces), full)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 7), cols=st.integers(1, 5), data=st.data())
+def test_ops_on_a_sharded_tensor_equal_ops_on_the_plain_tensor(rows, cols, data):
+    """Views, pointwise, reductions and compute ops give what the plain tensor gives (world 1)."""
+    full = torch.randn(rows, cols, dtype=torch.float64)
+    p = ShardedParam.from_full(full)
+    other = torch.randn(cols, 3, dtype=torch.float64)
+    ops = {
+        "t_mm": lambda a: a.t().t() @ other,
+        "mul_add": lambda a: (a * 2 + a).sum(),
+        "norm": lambda a: torch.linalg.vector_norm(a, 3.0),
+        "max": lambda a: a.max(),
+        "mean": lambda a: a.mean(),
+        "view_sum_dim": lambda a: a.reshape(-1).sum(0),
+        "softmax": lambda a: a.softmax(dim=-1),
+        "split": lambda a: a.split(1, dim=1)[0] + 1,
+    }
+    name = data.draw(st.sampled_from(sorted(ops)))
+    got, want = ops[name](p), ops[name](full)
+    got = got.full_tensor() if isinstance(got, ShardedParam) else got
+    torch.testing.assert_close(got, want)

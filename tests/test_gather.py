@@ -1,0 +1,147 @@
+"""Gather accounting: what is alive when, prefetching in the recorded order, and re-recording on a change."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from rank_pool import run_on_ranks
+
+
+def _gpt(seed: int = 0):
+    from shardtensor.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+
+def _tokens(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 37, (2, 8), generator=g), torch.randint(0, 37, (2, 8), generator=g)
+
+
+def sequential_lifetimes() -> dict:
+    """Per rank: the most gathered buffers the Gatherer held at once, and how many survive forward."""
+    import shardtensor
+
+    model = shardtensor.shard_module(_gpt(), gather="sequential")
+    gatherer = model._shardtensor.gatherer
+    x, y = _tokens(1)
+    loss = model(x, y)
+    gatherer.drop_cache()  # the reuse window may keep the tied embedding for backward's first op
+    gc.collect()
+    alive_after_forward = gatherer.alive_buffers()
+    loss.backward()
+    gatherer.drop_cache()
+    gc.collect()
+    return {"max_alive": gatherer.max_alive, "alive_after_forward": alive_after_forward,
+            "alive_after_backward": gatherer.alive_buffers(), "gathers": gatherer.gathers}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sequential_gather_holds_one_full_param(world):
+    for r in run_on_ranks(world, sequential_lifetimes):
+        assert r["gathers"] > 0
+        assert r["max_alive"] == 1, r
+        # Nothing saved for backward holds a gathered buffer: autograd saved views of the shards instead.
+        assert r["alive_after_forward"] == 0, r
+        assert r["alive_after_backward"] == 0, r
+
+
+def overlapped_prefetch(change_branch: bool) -> dict:
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(6, 6), "b": nn.Linear(6, 6), "c": nn.Linear(6, 3)})
+    shardtensor.shard_module(model, gather="overlapped", prefetch_bytes=1 << 20)
+    gatherer = model._shardtensor.gatherer
+    x = torch.randn(4, 6)
+
+    def step(use_b: bool):
+        gatherer.step_begin()  # a ModuleDict has no forward: mark the step as the root forward hook would
+        h = model["a"](x)
+        if use_b:
+            h = model["b"](h)
+        model["c"](h).sum().backward()
+
+    step(True)
+    first_order = list(gatherer.recorded_order)
+    hits_before = gatherer.prefetch_hits
+    step(True)
+    hits_after_replay = gatherer.prefetch_hits
+    step(not change_branch)
+    step(not change_branch)
+    return {"order": first_order, "hits_first": hits_before, "hits_replay": hits_after_replay - hits_before,
+            "mismatches": gatherer.mismatches, "order_after": list(gatherer.recorded_order)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_overlapped_prefetches_in_recorded_order(world):
+    for r in run_on_ranks(world, overlapped_prefetch, False):
+        assert [name.split(".")[0] for name in r["order"][:6]] == ["a", "a", "b", "b", "c", "c"], r["order"]
+        assert "c.weight" in r["order"][6:], "backward gathers are recorded too"
+        assert r["hits_first"] == 0  # nothing to prefetch while recording
+        assert r["hits_replay"] > 0
+        assert r["mismatches"] == 0
+
+
+def test_overlapped_detects_a_changed_order_and_rerecords():
+    for r in run_on_ranks(2, overlapped_prefetch, True):
+        assert r["mismatches"] >= 1
+        assert "b.weight" not in r["order_after"], r["order_after"]
+
+
+def accumulation_matches_large_batch(gather: str) -> float:
+    """Two backward passes on halves of a batch before step() == one pass on the whole (mean loss)."""
+    import copy
+
+    import shardtensor
+    from shardtensor import _comm
+
+    world, rank = _comm.world_size(), _comm.rank()
+    model = _gpt(3)
+    reference = copy.deepcopy(model)
+    shardtensor.shard_module(model, gather=gather)
+    batches = [_tokens(10 + i) for i in range(2 * world)]
+    mine = batches[2 * rank: 2 * rank + 2]
+    for x, y in mine:
+        (model(x, y) / 2).backward()
+    (sum(reference(x, y) for x, y in batches) / len(batches)).backward()
+    worst = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.full_tensor()
+        worst = max(worst, (grad - q.grad).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("world,gather", [(1, "sequential"), (2, "overlapped"), (4, "sequential")])
+def test_gradient_accumulation_equals_large_batch(world, gather):
+    assert max(run_on_ranks(world, accumulation_matches_large_batch, gather)) < 1e-6
+
+
+def auto_mode_switch() -> tuple[int, int]:
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)), gather="auto",
+                                     min_free_bytes=1000)
+    gatherer = model._shardtensor.gatherer
+    free = {"bytes": 10_000}
+    gatherer.free_memory_fn = lambda device: free["bytes"]
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        model(x).sum().backward()
+    plenty = gatherer.prefetches
+    free["bytes"] = 10  # memory pressure: no more prefetching
+    for _ in range(2):
+        model(x).sum().backward()
+    return plenty, gatherer.prefetches - plenty
+
+
+def test_auto_mode_stops_prefetching_under_memory_pressure():
+    for plenty, under_pressure in run_on_ranks(2, auto_mode_switch):
+        assert plenty > 0
+        assert under_pressure == 0

@@ -30,7 +30,6 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _comm
 from .tensor import ShardedParam, apply_views
 
 log = logging.getLogger(__name__)
@@ -208,7 +207,7 @@ class Gatherer:
             if index in self._entries:
                 continue
             layout = self._params[index]._layout
-            nbytes = layout.padded_shape.numel() * self._params[index]._local.element_size()
+            nbytes = layout.gather_numel() * self._params[index]._local.element_size()
             if nbytes > budget:
                 break
             budget -= nbytes
@@ -219,7 +218,7 @@ class Gatherer:
         param = self._params[index]
         if not async_op:
             self._evict_unused()
-        result = _comm.all_gather_rows(param._local, param._layout.group, async_op=async_op)
+        result = param._layout.gather(param._local, async_op=async_op)
         full = result.buffer[: param._layout.shape[0]] if result.buffer.shape[0] != param._layout.shape[0] else result.buffer
         if param._layout.world == 1 and full is param._local:
             full = param._local.view(param._local.shape)  # a distinct alias, so weakref accounting sees it
@@ -251,7 +250,7 @@ class Gatherer:
 
 
 def _gather_now(local: torch.Tensor, layout) -> torch.Tensor:
-    buffer = _comm.all_gather_rows(local, layout.group).buffer
+    buffer = layout.gather(local).buffer
     return buffer[: layout.shape[0]]
 
 

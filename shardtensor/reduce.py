@@ -53,16 +53,6 @@ class ExactReducer:
         pass
 
 
-def pad_rows(grad: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """The gradient as ``(world * rows_per_rank, ...)``; copies only when the rows do not divide evenly."""
-    grad = grad.contiguous()
-    if grad.shape[0] == layout.padded_shape[0]:
-        return grad
-    padded = torch.zeros(layout.padded_shape, dtype=grad.dtype, device=grad.device)
-    padded[: grad.shape[0]].copy_(grad)
-    return padded
-
-
 class GradSync:
     """Per-module switch and reducer shared by the gradient hooks of one ``shard_module`` call."""
 
@@ -78,7 +68,7 @@ class GradSync:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if isinstance(grad, ShardedParam):  # a gradient computed shard-wise is already this rank's
                 return grad
-            shard = self.reducer.reduce(pad_rows(grad.detach(), layout), key=key, group=layout.group)
+            shard = layout.reduce_grad(grad.detach(), self.reducer, key)
             return ShardedParam(shard.to(dtype), layout, (), None, key)
 
         return hook

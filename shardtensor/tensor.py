@@ -56,6 +56,29 @@ class ShardLayout:
     def local_shape(self) -> torch.Size:
         return torch.Size((self.rows_per_rank, *self.shape[1:]))
 
+    # The collectives of a placement live on its layout, so another placement (layer-wise ownership, say) is a
+    # layout subclass that overrides these three methods; gather.py and reduce.py only schedule them.
+    def gather(self, local: torch.Tensor, *, async_op: bool = False) -> _comm.CollectiveResult:
+        """Start gathering the full tensor; its first ``shape[0]`` rows of ``.buffer`` are the base tensor."""
+        return _comm.all_gather_rows(local, self.group, async_op=async_op)
+
+    def gather_numel(self) -> int:
+        """Elements a gather materialises (for prefetch budgets)."""
+        return self.padded_shape.numel()
+
+    def reduce_grad(self, grad: torch.Tensor, reducer, key: str) -> torch.Tensor:
+        """This rank's ``local_shape()`` part of the mean over ranks of each rank's full gradient ``grad``."""
+        return reducer.reduce(self.pad(grad), key=key, group=self.group)
+
+    def pad(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` as ``(world * rows_per_rank, ...)``; copies only when the rows do not divide evenly."""
+        full = full.contiguous()
+        if full.shape[0] == self.padded_shape[0]:
+            return full
+        padded = torch.zeros(self.padded_shape, dtype=full.dtype, device=full.device)
+        padded[: full.shape[0]].copy_(full)
+        return padded
+
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's padded rows of a full (replicated) tensor of the base shape: a fresh tensor."""
         local = torch.zeros(self.local_shape(), dtype=full.dtype, device=full.device)

@@ -36,6 +36,15 @@ class ExactReducer:
     def __init__(self, reduce_dtype: Optional[torch.dtype] = None):
         self.reduce_dtype = reduce_dtype
 
+    def start(self, full_grad: torch.Tensor, *, key: str, group) -> "PendingReduce":
+        """Issue the reduce-scatter without waiting (only when no dtype change is needed: the result buffer is
+        the shard itself, finished in place)."""
+        result = _comm.reduce_scatter_rows(full_grad, group, async_op=True)
+        return PendingReduce(result.buffer, result.work, _comm.world_size(group), full_grad)
+
+    def can_start(self, full_grad: torch.Tensor, group) -> bool:
+        return _comm.world_size(group) > 1 and (self.reduce_dtype is None or self.reduce_dtype == full_grad.dtype)
+
     def reduce(self, full_grad: torch.Tensor, *, key: str, group) -> torch.Tensor:
         wire = full_grad if self.reduce_dtype is None else full_grad.to(self.reduce_dtype)
         shard = _comm.reduce_scatter_rows(wire, group).buffer
@@ -53,13 +62,72 @@ class ExactReducer:
         pass
 
 
+class PendingReduce:
+    """An issued reduce-scatter: ``shard`` becomes this rank's mean gradient once ``finish()`` has run."""
+
+    __slots__ = ("shard", "work", "world", "full_grad")
+
+    def __init__(self, shard: torch.Tensor, work, world: int, full_grad: torch.Tensor):
+        self.shard = shard
+        self.work = work
+        self.world = world
+        self.full_grad = full_grad  # the input must stay alive until the collective completes
+
+    def nbytes(self) -> int:
+        return self.full_grad.numel() * self.full_grad.element_size()
+
+    def finish(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.shard.div_(self.world)
+            self.work = None
+            self.full_grad = None
+        return self.shard
+
+
 class GradSync:
     """Per-module switch and reducer shared by the gradient hooks of one ``shard_module`` call."""
 
-    def __init__(self, reducer: GradientReducer, grad_dtype: Optional[torch.dtype] = None):
+    def __init__(self, reducer: GradientReducer, grad_dtype: Optional[torch.dtype] = None,
+                 max_pending_bytes: int = 64 << 20):
         self.reducer = reducer
         self.enabled = True
         self.grad_dtype = grad_dtype
+        self.max_pending_bytes = max_pending_bytes
+        self._pending: list[PendingReduce] = []
+        self._callback_queued = False
+
+    # [Note: overlapped gradient reduction]
+    # The first gradient of a parameter in a backward is reduce-scattered asynchronously: the hook returns a
+    # ShardedParam over the output buffer, AccumulateGrad stores it without reading it, and the engine's
+    # end-of-backward callback waits and divides by the world size in place.  It is only safe when nothing
+    # reads the gradient before backward ends, so it stays synchronous when the parameter already has a
+    # gradient (AccumulateGrad adds at once), when post-accumulate hooks are registered (e.g. CPUAdam's
+    # speculative steps read it), or when the reducer or the layout cannot start one (4-bit, layer-wise).
+    def _can_overlap(self, param: ShardedParam, layout: ShardLayout, grad: torch.Tensor) -> bool:
+        return (
+            param.grad is None
+            and not getattr(param, "_post_accumulate_grad_hooks", None)
+            and hasattr(self.reducer, "can_start")
+            and type(layout).reduce_grad is ShardLayout.reduce_grad
+            and self.reducer.can_start(grad, layout.group)
+        )
+
+    def _start(self, grad: torch.Tensor, layout: ShardLayout, key: str) -> torch.Tensor:
+        pending = self.reducer.start(layout.pad(grad), key=key, group=layout.group)
+        self._pending.append(pending)
+        while sum(p.nbytes() for p in self._pending if p.work is not None) > self.max_pending_bytes:
+            next(p for p in self._pending if p.work is not None).finish()
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
+            self._callback_queued = True
+        return pending.shard
+
+    def finish_pending(self) -> None:
+        """Wait for every issued reduce-scatter (end of backward)."""
+        pending, self._pending, self._callback_queued = self._pending, [], False
+        for p in pending:
+            p.finish()
 
     def sharded_grad_hook(self, param: ShardedParam, key: str):
         layout = param._layout
@@ -68,7 +136,10 @@ class GradSync:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if isinstance(grad, ShardedParam):  # a gradient computed shard-wise is already this rank's
                 return grad
-            shard = layout.reduce_grad(grad.detach(), self.reducer, key)
+            grad = grad.detach()
+            if grad.dtype == dtype and self._can_overlap(param, layout, grad):
+                return ShardedParam(self._start(grad, layout, key), layout, (), None, key)
+            shard = layout.reduce_grad(grad, self.reducer, key)
             return ShardedParam(shard.to(dtype), layout, (), None, key)
 
         return hook

@@ -127,6 +127,20 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup = N
     return work if async_op else _DoneWork()
 
 
+@torch.no_grad()
+def reduce(tensor: torch.Tensor, dst_group_rank: int, group: ProcessGroup = None, *, async_op: bool = False):
+    """Sum ``tensor`` over ranks into ``dst_group_rank``'s copy, in place (layer-wise gradients go to the owner).
+
+    Only the destination's ``tensor`` holds the sum afterwards; backends may use the others' as scratch, so
+    callers hand in a tensor they own.
+    """
+    if world_size(group) == 1:
+        return _DoneWork()
+    work = dist.reduce(tensor, dst=global_rank_of(group, dst_group_rank), op=dist.ReduceOp.SUM, group=group,
+                       async_op=async_op)
+    return work if async_op else _DoneWork()
+
+
 def all_gather_object(obj: object, group: ProcessGroup = None) -> list:
     """Every rank's ``obj``, in rank order (small control data only: plans, fingerprints)."""
     world = world_size(group)

@@ -37,6 +37,9 @@ def shard_module(
     prefetch_bytes: int = 64 << 20,
     min_free_bytes: int = 1 << 30,
     reducer: Optional[GradientReducer] = None,
+    placement: str = "dim0",
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """Replace every floating parameter of ``module`` (dim >= 1) by a ``ShardedParam``, in place.
 
@@ -55,7 +58,14 @@ def shard_module(
         gather: ``"sequential"``, ``"overlapped"`` or ``"auto"`` (Default: ``"overlapped"``).
         prefetch_bytes: prefetch budget of overlapped mode (Default: 64 MiB).
         min_free_bytes: auto mode's memory threshold (Default: 1 GiB).
-        reducer: gradient reducer (Default: ``ExactReducer()``).
+        reducer: gradient reducer (Default: ``ExactReducer(reduce_dtype)``).
+        param_dtype: mixed precision: shards stay in their dtype (the fp32 master copy), gathers cast to
+            ``param_dtype`` before the collective (half the bytes for bf16) and compute runs in it; floating
+            inputs of the root module are cast to it (Default: None, no cast).
+        reduce_dtype: dtype of the gradient reduce-scatter (Default: None, the gradient's dtype).
+        placement: ``"dim0"`` (each rank keeps ceil(rows / world) rows of every parameter) or ``"layerwise"``
+            (each parameter is owned whole by one rank, balanced by bytes; gathers broadcast from the owner,
+            gradients reduce to it; see ``shardtensor.layerwise``) (Default: ``"dim0"``).
     Returns:
         ``module`` itself.
     """
@@ -68,9 +78,16 @@ def shard_module(
         mode = GatherMode(gather)
     except ValueError:
         raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
-    gatherer = Gatherer(mode, prefetch_bytes=prefetch_bytes, min_free_bytes=min_free_bytes)
-    grad_sync = GradSync(reducer if reducer is not None else ExactReducer())
+    gatherer = Gatherer(mode, prefetch_bytes=prefetch_bytes, min_free_bytes=min_free_bytes, param_dtype=param_dtype)
+    grad_sync = GradSync(reducer if reducer is not None else ExactReducer(reduce_dtype))
     _check_same_model_on_every_rank(module, group)
+    if placement not in ("dim0", "layerwise"):
+        raise ValueError(f"shard_module: placement={placement!r}; expected 'dim0' or 'layerwise'")
+    layouts: dict = {}
+    if placement == "layerwise":
+        from .layerwise import owner_layouts
+
+        layouts = owner_layouts(module, group, reducer)
 
     replaced: dict[int, nn.Parameter] = {}
     names: dict[str, ShardedParam] = {}
@@ -83,25 +100,43 @@ def shard_module(
             if id(param) in replaced:  # tied: the same Parameter object stays one ShardedParam
                 submodule._parameters[name] = replaced[id(param)]
                 continue
-            new = _shard_parameter(param, fqn, group, gatherer, grad_sync, handles)
+            new = _shard_parameter(param, fqn, group, gatherer, grad_sync, handles, layouts.get(id(param)))
             replaced[id(param)] = new
             submodule._parameters[name] = new
             if isinstance(new, ShardedParam):
                 names[fqn] = new
 
-    handles.append(module.register_forward_pre_hook(lambda mod, inputs: gatherer.step_begin()))
+    handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype), with_kwargs=True))
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
     return module
 
 
-def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, grad_sync: GradSync, handles: list):
+def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype]):
+    """Root forward pre-hook: a new gather sequence starts; under mixed precision, floating inputs are cast to
+    ``param_dtype`` so they meet the gathered (cast) weights in one dtype (FSDP2's ``cast_forward_inputs``)."""
+
+    def cast(x):
+        return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def hook(module, args, kwargs):
+        gatherer.step_begin()
+        if param_dtype is None:
+            return None
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, grad_sync: GradSync, handles: list,
+                     layout: Optional[ShardLayout] = None):
     if not param.is_floating_point():
         return param
     if param.dim() == 0:
         if param.requires_grad and _comm.world_size(group) > 1:
             handles.append(param.register_hook(grad_sync.replicated_grad_hook(group)))
         return param
-    layout = ShardLayout.for_shape(param.shape, group)
+    if layout is None:
+        layout = ShardLayout.for_shape(param.shape, group)
     with torch.no_grad():
         if param.is_meta:
             local = torch.empty(layout.local_shape(), dtype=param.dtype, device="meta")

@@ -73,8 +73,10 @@ class Gatherer:
         prefetch_bytes: int = 64 << 20,
         min_free_bytes: int = 1 << 30,
         free_memory_fn: Optional[Callable[[torch.device], int]] = None,
+        param_dtype: Optional[torch.dtype] = None,
     ):
         self.mode = GatherMode(mode)
+        self.param_dtype = param_dtype  # mixed precision: cast the shard before the collective (half the bytes)
         self.prefetch_bytes = int(prefetch_bytes)
         self.min_free_bytes = int(min_free_bytes)
         self.free_memory_fn = free_memory_fn or _free_memory_bytes
@@ -207,7 +209,8 @@ class Gatherer:
             if index in self._entries:
                 continue
             layout = self._params[index]._layout
-            nbytes = layout.gather_numel() * self._params[index]._local.element_size()
+            nbytes = layout.gather_numel() * (self._params[index]._local.element_size() if self.param_dtype is None
+                                              else torch.empty((), dtype=self.param_dtype).element_size())
             if nbytes > budget:
                 break
             budget -= nbytes
@@ -218,9 +221,12 @@ class Gatherer:
         param = self._params[index]
         if not async_op:
             self._evict_unused()
-        result = param._layout.gather(param._local, async_op=async_op)
+        local = param._local
+        if self.param_dtype is not None and local.dtype != self.param_dtype and local.is_floating_point():
+            local = local.to(self.param_dtype)
+        result = param._layout.gather(local, async_op=async_op)
         full = result.buffer[: param._layout.shape[0]] if result.buffer.shape[0] != param._layout.shape[0] else result.buffer
-        if param._layout.world == 1 and full is param._local:
+        if full is param._local:
             full = param._local.view(param._local.shape)  # a distinct alias, so weakref accounting sees it
         entry = _Entry(full, result.work if async_op else None, param._local._version)
         self._entries[index] = entry

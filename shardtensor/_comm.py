@@ -2,8 +2,8 @@
 
 Why one module: the other modules (gather, reduce, optim, offload) only decide *when* to communicate; this one
 decides *how*.  Version differences (``all_gather_single`` replacing ``all_gather_into_tensor`` in torch 2.13,
-``reduce_scatter_single`` replacing ``reduce_scatter_tensor``) are absorbed in one place, and a future timeout /
-debug layer wraps one set of functions.
+``reduce_scatter_single`` replacing ``reduce_scatter_tensor``) are absorbed in one place, and so is the timeout
+that keeps a dead or diverged rank from hanging the others (see [Note: every collective has a timeout]).
 
 All functions accept ``group=None`` (the default group) and work without an initialised process group when the
 world is a single process, so single-process use needs no ``init_process_group``.
@@ -11,7 +11,13 @@ world is a single process, so single-process use needs no ``init_process_group``
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import contextlib
+import datetime
+import itertools
+import os
+import pickle
+from contextvars import ContextVar
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +47,107 @@ def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+# [Note: every collective has a timeout]
+# A rank that dies, skips a step or runs a different program leaves the others waiting in a collective; with
+# no limit that is a hang that costs a cluster-day.  Every collective here is issued with ``async_op=True`` and
+# waited for through ``_TimedWork.wait``, which gives up after ``collective_timeout()`` seconds and raises a
+# ``CollectiveError`` naming the step (a label set by the caller: "all-gather of 'fc.weight'") and a sequence
+# number that is the same on every rank of the same program.  CUDA tensors (NCCL) are the exception: a timed
+# ``Work.wait`` would block the CPU until the kernel ends and kill the overlap of communication with compute,
+# so there the wait stays stream-ordered and the limit is NCCL's watchdog (``init_process_group(timeout=...)``).
+_timeout_s: float = float(os.environ.get("SHARDTENSOR_COLLECTIVE_TIMEOUT", "600"))
+_label: ContextVar[str] = ContextVar("shardtensor_collective_label", default="")
+_sequence = itertools.count(1)  # collectives this process issued (every rank of one program counts alike)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete in time: another rank died, skipped a step, or runs another program."""
+
+
+def set_collective_timeout(seconds: float) -> float:
+    """Limit every shardtensor collective (gloo / CPU) to ``seconds``; returns the previous limit.
+
+    Why: a rank that dies or skips a step must make the others fail with a named step, not hang.  The default
+    (600 s, or ``$SHARDTENSOR_COLLECTIVE_TIMEOUT``) leaves room for slow first steps; tests use a few seconds.
+    """
+    global _timeout_s
+    seconds = float(seconds)
+    if not seconds > 0:
+        raise ValueError(f"set_collective_timeout: {seconds=}; expected a positive number of seconds")
+    previous, _timeout_s = _timeout_s, seconds
+    return previous
+
+
+def collective_timeout() -> float:
+    """The current limit in seconds (see ``set_collective_timeout``)."""
+    return _timeout_s
+
+
+@contextlib.contextmanager
+def labelled(text: str) -> Iterator[None]:
+    """Name the collectives issued inside (``"all-gather of 'fc.weight'"``) for the errors they may raise."""
+    token = _label.set(text)
+    try:
+        yield
+    finally:
+        _label.reset(token)
+
+
+class _TimedWork:
+    """A ``Work`` handle whose ``wait`` has a limit and whose errors name the step, the tensor and the rank."""
+
+    __slots__ = ("work", "kind", "shape", "dtype", "group", "label", "seq", "cpu")
+
+    def __init__(self, work, kind: str, tensor: torch.Tensor, group, label: str):
+        self.work = work
+        self.kind = kind
+        self.shape = tuple(tensor.shape)
+        self.dtype = tensor.dtype
+        self.group = group
+        self.label = label or _label.get()
+        self.seq = next(_sequence)
+        self.cpu = tensor.device.type == "cpu"
+
+    def wait(self, timeout=None) -> bool:
+        seconds = _timeout_s if timeout is None else (
+            timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout))
+        try:
+            if self.cpu:
+                self.work.wait(timeout=datetime.timedelta(seconds=seconds))
+            else:  # stream-ordered (see [Note: every collective has a timeout])
+                self.work.wait()
+        except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the step
+            raise CollectiveError(self._message(seconds, exc)) from exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def _message(self, seconds: float, exc: BaseException) -> str:
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+        what = f"did not complete within {seconds:g} s" if timed_out else f"failed ({type(exc).__name__}: {exc})"
+        try:
+            who = f"rank {rank(self.group)}/{world_size(self.group)}"
+        except Exception:  # noqa: BLE001 - the group itself may be broken
+            who = "rank ?"
+        return (
+            f"shardtensor {who}: {self.label or self.kind} {what} "
+            f"[collective #{self.seq}: {self.kind} of {self.shape} {self.dtype}]. Another rank died, skipped this "
+            f"step, or runs a different program (every rank must run the same ops on the same parameters in the "
+            f"same order); compare the collective numbers in each rank's log. If a rank is only slow, raise the "
+            f"limit with shardtensor.set_collective_timeout(seconds) (now {_timeout_s:g} s)."
+        )
+
+
+def _issued(work, kind: str, tensor: torch.Tensor, group, async_op: bool, label: str = ""):
+    """Wrap ``work`` (issued with ``async_op=True``); wait now, with the limit, unless the caller waits later."""
+    timed = _TimedWork(work, kind, tensor, group, label)
+    if async_op:
+        return timed
+    timed.wait()
+    return _DoneWork()
+
+
 class _DoneWork:
     """Stands in for a ``Work`` handle when nothing was sent (world size 1)."""
 
@@ -59,7 +166,8 @@ class CollectiveResult(NamedTuple):
 
 
 @torch.no_grad()
-def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False) -> CollectiveResult:
+def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
+                    label: str = "") -> CollectiveResult:
     """Gather equal dim-0 shards into one ``(world * rows, ...)`` buffer, rows in rank order.
 
     The output is the full (padded) tensor itself: no copy-out afterwards (see DESIGN.md section 4).
@@ -70,14 +178,15 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
     local = local.contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
     if _all_gather_single is not None:
-        work = _all_gather_single(out, local, group=group, async_op=async_op)
+        work = _all_gather_single(out, local, group=group, async_op=True)
     else:  # torch < 2.13
-        work = dist.all_gather_into_tensor(out, local, group=group, async_op=async_op)
-    return CollectiveResult(out, work if async_op else _DoneWork())
+        work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
+    return CollectiveResult(out, _issued(work, "all-gather", local, group, async_op, label))
 
 
 @torch.no_grad()
-def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False) -> CollectiveResult:
+def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
+                        label: str = "") -> CollectiveResult:
     """Sum ``full`` (``(world * rows, ...)``) over ranks and keep this rank's ``rows``: the inverse of the gather."""
     world = world_size(group)
     if world == 1:
@@ -87,48 +196,53 @@ def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async
         raise AssertionError(f"reduce_scatter_rows needs rows divisible by the world: {full.shape=} {world=}")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype, device=full.device)
     if _reduce_scatter_single is not None:
-        work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     else:
-        work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return CollectiveResult(out, work if async_op else _DoneWork())
+        work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return CollectiveResult(out, _issued(work, "reduce-scatter", full, group, async_op, label))
 
 
 @torch.no_grad()
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum", async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "sum", async_op: bool = False,
+               label: str = ""):
     """In-place all-reduce; ``op`` is ``"sum"``, ``"max"``, ``"min"`` or ``"avg"`` (avg = sum / world, gloo has none)."""
     world = world_size(group)
     if world == 1:
         return _DoneWork()
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
+    if op == "avg" and async_op:
+        raise ValueError("all_reduce(op='avg', async_op=True) is not supported: divide after waiting")
+    work = _issued(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True), f"all-reduce ({op})", tensor,
+                   group, async_op, label)
     if op == "avg":
-        if async_op:
-            raise ValueError("all_reduce(op='avg', async_op=True) is not supported: divide after waiting")
         tensor.div_(world)
-    return work if async_op else _DoneWork()
+    return work
 
 
 @torch.no_grad()
-def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False):
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
+               label: str = ""):
     """Equal-split all-to-all: chunk r of ``input`` goes to rank r; chunk q of ``output`` came from rank q."""
     if world_size(group) == 1:
         output.copy_(input)
         return _DoneWork()
-    work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
-    return work if async_op else _DoneWork()
+    work = dist.all_to_all_single(output, input, group=group, async_op=True)
+    return _issued(work, "all-to-all", input, group, async_op, label)
 
 
 @torch.no_grad()
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup = None, *, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup = None, *, async_op: bool = False,
+              label: str = ""):
     """Broadcast ``tensor`` in place from ``src_group_rank`` (a rank *within* ``group``)."""
     if world_size(group) == 1:
         return _DoneWork()
-    work = dist.broadcast(tensor, src=global_rank_of(group, src_group_rank), group=group, async_op=async_op)
-    return work if async_op else _DoneWork()
+    work = dist.broadcast(tensor, src=global_rank_of(group, src_group_rank), group=group, async_op=True)
+    return _issued(work, f"broadcast from rank {src_group_rank}", tensor, group, async_op, label)
 
 
 @torch.no_grad()
-def reduce(tensor: torch.Tensor, dst_group_rank: int, group: ProcessGroup = None, *, async_op: bool = False):
+def reduce(tensor: torch.Tensor, dst_group_rank: int, group: ProcessGroup = None, *, async_op: bool = False,
+           label: str = ""):
     """Sum ``tensor`` over ranks into ``dst_group_rank``'s copy, in place (layer-wise gradients go to the owner).
 
     Only the destination's ``tensor`` holds the sum afterwards; backends may use the others' as scratch, so
@@ -137,20 +251,38 @@ def reduce(tensor: torch.Tensor, dst_group_rank: int, group: ProcessGroup = None
     if world_size(group) == 1:
         return _DoneWork()
     work = dist.reduce(tensor, dst=global_rank_of(group, dst_group_rank), op=dist.ReduceOp.SUM, group=group,
-                       async_op=async_op)
-    return work if async_op else _DoneWork()
+                       async_op=True)
+    return _issued(work, f"reduce to rank {dst_group_rank}", tensor, group, async_op, label)
 
 
-def all_gather_object(obj: object, group: ProcessGroup = None) -> list:
-    """Every rank's ``obj``, in rank order (small control data only: plans, fingerprints)."""
+def _control_device(group) -> torch.device:
+    """Where control data travels: the CPU, except on NCCL groups (CUDA only), as ``dist.all_gather_object``."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_object(obj: object, group: ProcessGroup = None, *, label: str = "") -> list:
+    """Every rank's ``obj``, in rank order (small control data only: plans, fingerprints).
+
+    Two timed all-gathers (lengths, then the padded pickles) instead of ``dist.all_gather_object``, which has no
+    limit of its own.  The pickles come from the ranks of this job, the same trust ``dist.all_gather_object``
+    assumes.
+    """
     world = world_size(group)
     if world == 1:
         return [obj]
-    out: list = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    device = _control_device(group)
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = all_gather_rows(torch.tensor([payload.numel()], dtype=torch.int64, device=device), group,
+                            label=label or "all_gather_object (sizes)").buffer.tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    rows = all_gather_rows(padded.unsqueeze(0), group, label=label or "all_gather_object").buffer.cpu()
+    return [pickle.loads(rows[r, : sizes[r]].numpy().tobytes()) for r in range(world)]
 
 
-def barrier(group: ProcessGroup = None) -> None:
+def barrier(group: ProcessGroup = None, *, label: str = "") -> None:
     if world_size(group) > 1:
-        dist.barrier(group=group)
+        probe = torch.zeros(1, device=_control_device(group))
+        _issued(dist.barrier(group=group, async_op=True), "barrier", probe, group, False, label)

@@ -8,12 +8,15 @@ from . import dispatch as _dispatch  # noqa: F401  (importing registers the op t
 from .api import full_state_dict, gather_stats, load_full_state_dict, shard_module
 from .dispatch import ShardedOpError
 from .gather import Gatherer, GatherMode
+from .layerwise import OwnerLayout, placement_plan
 from .reduce import ExactReducer
 from .tensor import ShardedParam, ShardLayout
 
 __all__ = [
     "ShardedParam",
     "ShardLayout",
+    "OwnerLayout",
+    "placement_plan",
     "ShardedOpError",
     "shard_module",
     "full_state_dict",

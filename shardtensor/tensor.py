@@ -15,13 +15,14 @@ the chain is replayed on the gathered base tensor when a compute op needs the da
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import _comm
+from . import _comm, _compile
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class ShardLayout:
     # layout subclass that overrides these three methods; gather.py and reduce.py only schedule them.
     def gather(self, local: torch.Tensor, *, async_op: bool = False) -> _comm.CollectiveResult:
         """Start gathering the full tensor; its first ``shape[0]`` rows of ``.buffer`` are the base tensor."""
+        if _comm.world_size(self.group) != self.world:  # e.g. a shard unpickled in a process of another world
+            raise RuntimeError(
+                f"cannot gather a shard of {self.world} ranks (global shape {tuple(self.shape)}) in a process group "
+                f"of {_comm.world_size(self.group)}: it was saved or built in another world. Load it with "
+                "shardtensor.checkpoint_files.load_shards into a model sharded over the same world size."
+            )
         return _comm.all_gather_rows(local, self.group, async_op=async_op)
 
     def gather_numel(self) -> int:
@@ -68,7 +75,8 @@ class ShardLayout:
 
     def reduce_grad(self, grad: torch.Tensor, reducer, key: str) -> torch.Tensor:
         """This rank's ``local_shape()`` part of the mean over ranks of each rank's full gradient ``grad``."""
-        return reducer.reduce(self.pad(grad), key=key, group=self.group)
+        with _comm.labelled(f"gradient reduction of {key!r}"):
+            return reducer.reduce(self.pad(grad), key=key, group=self.group)
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         """``full`` as ``(world * rows_per_rank, ...)``; copies only when the rows do not divide evenly."""
@@ -176,6 +184,52 @@ class ShardedParam(torch.Tensor):
         """The full tensor (views applied), gathered from all ranks.  Differentiable: grads flow back sharded."""
         return _FullTensor.apply(self)
 
+    def to_dtensor(self):
+        """This rank's rows as a ``DTensor`` with ``Shard(0)`` on a 1-d mesh of the layout's group (no copy).
+
+        For ``torch.distributed.checkpoint`` and DTensor code.  DTensor's ``Shard(0)`` splits like
+        ``torch.chunk``: ceil(rows / world) rows per rank, the last ranks shorter or empty.  That is our split
+        without the zero padding, so the DTensor's local tensor is ``_local[:valid_rows]``, a view: writing into
+        it (``dcp.load``) writes into this shard.  Needs an initialised process group (even for one process).
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._views:
+            raise ValueError(f"to_dtensor: {self._name or 'tensor'!r} is a view of a shard; call it on the parameter")
+        layout = self._layout
+        mesh = _comm.device_mesh(layout.group, self._local.device.type)
+        stride = torch.empty(layout.shape, device="meta").stride()
+        return DTensor.from_local(self._local[: layout.valid_rows], mesh, [Shard(0)], run_check=False,
+                                  shape=layout.shape, stride=stride)
+
+    @classmethod
+    def from_dtensor(cls, dtensor, *, name: str = "", requires_grad: bool = False) -> "ShardedParam":
+        """A ShardedParam over the same rows as a 1-d ``DTensor`` placed ``Shard(0)`` (or ``Replicate()``).
+
+        The rows are copied into a padded shard (DTensor's last shards are short; ours are padded).  Other
+        placements (``Shard(1)``, 2-d meshes: tensor parallel) raise: redistribute to ``Shard(0)`` first.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
+        if mesh.ndim != 1 or placements not in ((Shard(0),), (Replicate(),)):
+            raise NotImplementedError(
+                f"ShardedParam.from_dtensor({name or 'tensor'!r}): placements {placements} on a {mesh.ndim}-d mesh; "
+                "only a 1-d mesh with Shard(0) or Replicate() maps onto a ShardedParam. "
+                "Fix: dtensor.redistribute(mesh, [Shard(0)]) first (or dtensor.full_tensor())."
+            )
+        group = _comm.default_group_or(mesh.get_group())
+        local = dtensor.to_local().detach()
+        if placements == (Replicate(),):
+            return cls.from_full(local, group, name=name, requires_grad=requires_grad)
+        layout = ShardLayout.for_shape(dtensor.shape, group)
+        if local.shape[0] != layout.valid_rows:
+            raise AssertionError(f"from_dtensor: rank {layout.rank} holds {local.shape[0]} rows of {tuple(dtensor.shape)}; "
+                                 f"torch.chunk semantics give {layout.valid_rows}")
+        padded = torch.zeros(layout.local_shape(), dtype=local.dtype, device=local.device)
+        padded[: layout.valid_rows].copy_(local)
+        return cls(padded, layout, (), None, name, requires_grad)
+
     @property
     def layout(self) -> ShardLayout:
         return self._layout
@@ -200,13 +254,64 @@ class ShardedParam(torch.Tensor):
 
     __str__ = __repr__
 
-    def __format__(self, spec: str) -> str:
-        return format(repr(self), spec)
+    def __format__(self, spec: str) -> str:  # never communicates
+        try:
+            return format(repr(self), spec)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"format(ShardedParam, {spec!r}): a numeric format needs the values, and reading them gathers. "
+                f"Use format(p.full_tensor().item(), {spec!r}) (gathers) or format this rank's rows from "
+                "p.to_local(); string specs such as '>80' format the repr."
+            ) from None
+
+    # [Note: copies and pickles never communicate]
+    # copy.copy shares the shard (as copy.copy of a tensor shares its storage).  copy.deepcopy copies the shard
+    # and keeps the immutable layout (its process group is a handle that must not be copied); the copy is not
+    # in the original's gather schedule, so its gathers run on demand.  Pickling (torch.save) stores this
+    # rank's shard with its spec (global shape, rows per rank, rank, world, name) but not the process group:
+    # ``torch.load(..., weights_only=True)`` rebuilds it (the rebuild function is allow-listed and validates the
+    # spec), and a later gather checks that the live world is the saved one.  Views refuse to pickle.
+    def __copy__(self) -> "ShardedParam":
+        new = ShardedParam(self._local, self._layout, self._views, self._gatherer, self._name, self.requires_grad)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo) -> "ShardedParam":
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                f"copy.deepcopy of ShardedParam {self._name!r}: only leaves (parameters, detached tensors) can be "
+                "deep-copied, as with plain tensors. Fix: deepcopy p.detach()."
+            )
+        new = ShardedParam(copy.deepcopy(self._local, memo), self._layout, self._views, None, self._name,
+                           self.requires_grad)
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        new.__dict__ = copy.deepcopy(self.__dict__, memo)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        if self._views:
+            raise TypeError(
+                f"cannot pickle a view of ShardedParam {self._name!r} (views: "
+                f"{[step.func.__name__ for step in self._views]}). Save the parameter itself, or p.full_tensor()."
+            )
+        layout = self._layout
+        if type(layout) is not ShardLayout:
+            raise TypeError(
+                f"cannot pickle ShardedParam {self._name!r} with a {type(layout).__name__}: only dim-0 layouts are "
+                "picklable. Use shardtensor.full_state_dict(model) or shardtensor.checkpoint_files.save_shards."
+            )
+        spec = (tuple(layout.shape), layout.rows_per_rank, layout.rank, layout.world)
+        return _rebuild_sharded_param, (self._local, spec, self._name, self.requires_grad, "_is_param" in self.__dict__)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from .dispatch import dispatch_op  # import cycle: dispatch needs ShardedParam
 
+        _compile.break_graph_if_traced(func, args)  # torch.compile: see [Note: torch.compile] in _compile.py
         return dispatch_op(func, args, kwargs or {})
 
     # torch.compile / torch.export see through the wrapper (DTensor does the same).
@@ -217,6 +322,29 @@ class ShardedParam(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         layout, views, name = ctx
         return ShardedParam(inner_tensors["_local"], layout, views, None, name)
+
+
+_compile.skip_in_dynamo(ShardedParam.__torch_dispatch__)  # eager ops between compiled graphs are not re-traced
+
+
+def _rebuild_sharded_param(local: torch.Tensor, spec: tuple, name: str, requires_grad: bool,
+                           is_param: bool) -> ShardedParam:
+    """Unpickle a ShardedParam (allow-listed for ``torch.load(weights_only=True)``): the spec is untrusted input."""
+    shape, rows, rank, world = spec
+    ok = (isinstance(local, torch.Tensor) and isinstance(shape, tuple) and len(shape) >= 1
+          and all(isinstance(n, int) and n >= 0 for n in (*shape, rows, rank, world))
+          and 0 <= rank < world and rows * world >= shape[0] and tuple(local.shape) == (rows, *shape[1:]))
+    if not ok:
+        raise ValueError(f"corrupt pickled ShardedParam {name!r}: spec {spec!r} does not fit a shard of shape "
+                         f"{tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__}")
+    param = ShardedParam(local, ShardLayout(torch.Size(shape), rows, rank, world, None), (), None, str(name),
+                         bool(requires_grad))
+    if is_param:
+        param._is_param = True  # what nn.Parameter(subclass) sets, so isinstance(param, nn.Parameter) holds
+    return param
+
+
+torch.serialization.add_safe_globals([_rebuild_sharded_param])
 
 
 class _FullTensor(torch.autograd.Function):

@@ -42,13 +42,13 @@ class GatherMode(str, enum.Enum):
 
 
 def _free_memory_bytes(device: torch.device) -> int:
-    """Free memory where the gathered tensors live: the CUDA allocator's view, or the host's (psutil)."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    import psutil
+    """Free memory where the gathered tensors live: the CUDA allocator's view, or the host's (psutil).
 
-    return psutil.virtual_memory().available
+    Read from the monitor the offload layer shares (``shardtensor.offload.monitor``), so both decide from the
+    same numbers."""
+    from shardtensor.offload.monitor import shared_monitor  # lazy: offload imports the core
+
+    return shared_monitor().free_bytes(device)
 
 
 class _Entry:

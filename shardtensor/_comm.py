@@ -40,6 +40,13 @@ def rank(group: ProcessGroup = None) -> int:
     return dist.get_rank(group) if is_distributed() else 0
 
 
+def group_ranks(group: ProcessGroup = None) -> list[int]:
+    """The default-group ranks of ``group``'s members, in group-rank order (``[0]`` without a process group)."""
+    if not is_distributed():
+        return [0]
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
     """The default-group rank of ``group_rank`` in ``group`` (``broadcast``'s ``src`` wants a global rank)."""
     if group is None or not is_distributed():

@@ -24,6 +24,17 @@ class ShardingState:
     params: dict  # fully qualified name -> ShardedParam (first name of tied parameters)
     hook_handles: list
 
+    def __deepcopy__(self, memo):
+        # Reached by copy.deepcopy(model): the gradient hooks live on the original parameters and the forward
+        # hook on the original gatherer, so a copy would train with unaveraged gradients.  Refuse clearly.
+        raise TypeError(
+            "copy.deepcopy of a module sharded by shardtensor.shard_module is not supported: its gradient hooks "
+            "and gather schedule belong to the original, so the copy's gradients would silently stop being "
+            "averaged across ranks. Fix: deepcopy before shard_module and shard the copy, or build a fresh model, "
+            "shard it, and load shardtensor.full_state_dict(model) into it. (copy.deepcopy of a single "
+            "ShardedParam is supported: it copies the shard.)"
+        )
+
 
 def _is_sharded(module: nn.Module) -> bool:
     return any(isinstance(p, ShardedParam) for p in module.parameters())
@@ -69,11 +80,12 @@ def shard_module(
     Returns:
         ``module`` itself.
     """
-    if _is_sharded(module) or hasattr(module, "_shardtensor"):
+    if hasattr(module, "_shardtensor"):
         raise ValueError(
             f"shard_module: {type(module).__name__} is already sharded (it holds ShardedParams). "
             "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
         )
+    _refuse_parameters_sharded_elsewhere(module)
     try:
         mode = GatherMode(gather)
     except ValueError:
@@ -92,6 +104,7 @@ def shard_module(
     replaced: dict[int, nn.Parameter] = {}
     names: dict[str, ShardedParam] = {}
     handles = []
+    owners: list = []  # (module, attribute, parameter), checked at every root forward
     for module_name, submodule in module.named_modules(remove_duplicate=False):
         for name, param in list(submodule._parameters.items()):
             if param is None:
@@ -105,13 +118,16 @@ def shard_module(
             submodule._parameters[name] = new
             if isinstance(new, ShardedParam):
                 names[fqn] = new
+                param._shardtensor_sharded_as = fqn  # so a second model sharing `param` is refused
+            owners.append((submodule, name, new))
 
-    handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype), with_kwargs=True))
+    handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype, owners),
+                                                    with_kwargs=True))
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
     return module
 
 
-def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype]):
+def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = ()):
     """Root forward pre-hook: a new gather sequence starts; under mixed precision, floating inputs are cast to
     ``param_dtype`` so they meet the gathered (cast) weights in one dtype (FSDP2's ``cast_forward_inputs``)."""
 
@@ -119,6 +135,7 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype]):
         return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     def hook(module, args, kwargs):
+        _check_not_moved(owners, gatherer)
         gatherer.step_begin()
         if param_dtype is None:
             return None
@@ -152,13 +169,58 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
     return new
 
 
+def _check_not_moved(owners: list, gatherer: Gatherer) -> None:
+    """``model.to(...)``/``.double()``/``.cuda()`` after sharding swaps each parameter's contents for a converted
+    copy that has neither the gradient hook nor a place in the gather schedule (gradients would silently stop
+    being averaged), and ``load_state_dict(assign=True)`` replaces parameters outright.  One identity check per
+    parameter per forward catches both before anything runs."""
+    for submodule, name, param in owners:
+        current = submodule._parameters.get(name)
+        if current is not param or (isinstance(param, ShardedParam) and param._gatherer is not gatherer):
+            fqn = param._name if isinstance(param, ShardedParam) else name
+            what = (f"{type(current).__name__}({tuple(current.shape)}, {current.dtype}, {current.device})"
+                    if isinstance(current, torch.Tensor) else repr(current))
+            raise RuntimeError(
+                f"shardtensor: parameter {fqn!r} was converted or replaced after shard_module (now {what}): "
+                "model.to(...)/.double()/.half()/.cuda() or load_state_dict(assign=True) on a sharded model drops "
+                "its gradient hook and gather schedule, so gradients would silently stop being averaged across "
+                "ranks. Fix: move or convert the model before shard_module (or shard a fresh model and load "
+                "shardtensor.full_state_dict into it)."
+            )
+
+
+def _refuse_parameters_sharded_elsewhere(module: nn.Module) -> None:
+    """A parameter shared with a module that another ``shard_module`` call sharded would end up as two
+    independent shards (two copies, two gradients): the tie breaks silently.  Refuse before replacing anything."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        earlier = getattr(param, "_name", "") if isinstance(param, ShardedParam) else \
+            getattr(param, "_shardtensor_sharded_as", None)
+        if isinstance(param, ShardedParam) or earlier is not None:
+            raise ValueError(
+                f"shard_module: parameter {name!r} of {type(module).__name__} is already sharded (as {earlier!r}) by "
+                "another shard_module call: it is shared with a module that was sharded separately. Sharding it "
+                "again would untie the two (separate shards, separate gradients). Fix: put both modules under "
+                "one parent module and call shard_module once on the parent."
+            )
+
+
 def _check_same_model_on_every_rank(module: nn.Module, group) -> None:
     """Different models on different ranks would make the gathers disagree (a hang or garbage): fail now."""
     if _comm.world_size(group) == 1:
         return
     fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-    everyone = _comm.all_gather_object(fingerprint, group)
-    for other_rank, other in enumerate(everyone):
+    plan = (_comm.world_size(group), _comm.group_ranks(group))
+    everyone = _comm.all_gather_object(
+        (plan, fingerprint), group,
+        label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
+    for other_rank, (other_plan, other) in enumerate(everyone):
+        if other_plan != plan:
+            raise ValueError(
+                f"shard_module on rank {_comm.rank(group)}: rank {other_rank} shards over a different process group "
+                f"(world size {other_plan[0]}, global ranks {other_plan[1]}) than this rank (world size {plan[0]}, "
+                f"global ranks {plan[1]}). Every rank must pass the same group to shard_module."
+            )
+    for other_rank, (other_plan, other) in enumerate(everyone):
         if other != fingerprint:
             mine = set(fingerprint)
             diff = sorted(mine.symmetric_difference(other))[:3]
@@ -188,13 +250,36 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True):
-    """Load a full (unsharded) state dict: each rank keeps its rows.  Shape or key mismatches name the key."""
+    """Load a full (unsharded) state dict: each rank keeps its rows.
+
+    Everything is checked before anything is copied, so a bad state dict leaves the model as it was: missing and
+    unexpected keys (when ``strict``), non-tensor values, shapes, and dtypes (``load_state_dict`` would cast a
+    float64 or integer tensor silently; a checkpoint of another dtype is more often the wrong file than a wish).
+    """
     own = module.state_dict()
+    if strict:
+        missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"load_full_state_dict: keys do not match the model: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                f"{'...' if len(unexpected) > 5 else ''}. Fix: load the checkpoint of this architecture, or pass "
+                "strict=False to load the matching keys only."
+            )
     for key, value in state_dict.items():
-        if key in own and tuple(own[key].shape) != tuple(value.shape):
+        if key not in own:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"load_full_state_dict: {key!r} is a {type(value).__name__}, not a tensor")
+        if tuple(own[key].shape) != tuple(value.shape):
             raise ValueError(
                 f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but "
                 f"{tuple(own[key].shape)} in the model"
+            )
+        if own[key].dtype != value.dtype:
+            raise ValueError(
+                f"load_full_state_dict: {key!r} is {value.dtype} in the state dict but {own[key].dtype} in the "
+                f"model. Fix: cast it first if that is intended ({{k: v.to(dtype) ...}})."
             )
     return module.load_state_dict(state_dict, strict=strict)
 

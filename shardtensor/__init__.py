@@ -6,9 +6,12 @@ optimizers, ``clip_grad_norm_``, gradient accumulation) runs unchanged.
 
 from . import dispatch as _dispatch  # noqa: F401  (importing registers the op table)
 from .api import full_state_dict, gather_stats, load_full_state_dict, shard_module
+from .checkpoint import load_checkpoint, save_checkpoint, sharded_optimizer_state_dict, sharded_state_dict
+from .composable import gradient_sync, unshard_module
 from .dispatch import ShardedOpError
 from .gather import Gatherer, GatherMode
 from .layerwise import OwnerLayout, placement_plan
+from .materialize import materialize
 from .reduce import ExactReducer
 from .tensor import ShardedParam, ShardLayout
 
@@ -22,6 +25,13 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "gather_stats",
+    "sharded_state_dict",
+    "sharded_optimizer_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "materialize",
+    "gradient_sync",
+    "unshard_module",
     "Gatherer",
     "GatherMode",
     "ExactReducer",

@@ -293,3 +293,30 @@ def barrier(group: ProcessGroup = None, *, label: str = "") -> None:
     if world_size(group) > 1:
         probe = torch.zeros(1, device=_control_device(group))
         _issued(dist.barrier(group=group, async_op=True), "barrier", probe, group, False, label)
+
+
+# ---------------------------------------------------------------------------------------------- DTensor meshes
+_meshes: dict = {}
+
+
+def default_group_or(group: ProcessGroup) -> ProcessGroup:
+    """``None`` for the default group (how ``ShardLayout`` names it), else ``group`` itself."""
+    if group is None or (is_distributed() and group == dist.group.WORLD):
+        return None
+    return group
+
+
+def device_mesh(group: ProcessGroup, device_type: str):
+    """A 1-d ``DeviceMesh`` over ``group`` (cached), for ``ShardedParam.to_dtensor``.  Creates no communicator."""
+    if not is_distributed():
+        raise RuntimeError(
+            "to_dtensor needs an initialised process group, even for one process: "
+            "torch.distributed.init_process_group(...) first (DTensor has no single-process mode)"
+        )
+    key = (id(group), device_type)
+    mesh = _meshes.get(key)
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = _meshes[key] = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
+    return mesh

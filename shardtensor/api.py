@@ -92,6 +92,7 @@ def shard_module(
         raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
     gatherer = Gatherer(mode, prefetch_bytes=prefetch_bytes, min_free_bytes=min_free_bytes, param_dtype=param_dtype)
     grad_sync = GradSync(reducer if reducer is not None else ExactReducer(reduce_dtype))
+    _refuse_dtensor_parameters(module)
     _check_same_model_on_every_rank(module, group)
     if placement not in ("dim0", "layerwise"):
         raise ValueError(f"shard_module: placement={placement!r}; expected 'dim0' or 'layerwise'")
@@ -204,6 +205,22 @@ def _refuse_parameters_sharded_elsewhere(module: nn.Module) -> None:
             )
 
 
+def _refuse_dtensor_parameters(module: nn.Module) -> None:
+    """A DTensor parameter (tensor parallel) is already distributed; sharding its local tensor again along dim 0
+    over another group is a 2-d layout (FSDP2 + TP) that shardtensor does not implement yet.  Fail before any
+    parameter is replaced."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"shard_module: parameter {name!r} is already a DTensor (placements {tuple(param.placements)}, "
+                f"mesh {tuple(param.device_mesh.shape)}); sharding tensor-parallel parameters is not supported yet. "
+                "Fix: call shard_module before parallelize_module, use fully_shard for 2-d (TP + FSDP) layouts, "
+                "or turn a 1-d Shard(0) DTensor into a ShardedParam with ShardedParam.from_dtensor."
+            )
+
+
 def _check_same_model_on_every_rank(module: nn.Module, group) -> None:
     """Different models on different ranks would make the gathers disagree (a hang or garbage): fail now."""
     if _comm.world_size(group) == 1:
@@ -238,13 +255,25 @@ def _sharding_state(module: nn.Module) -> ShardingState:
 
 
 @torch.no_grad()
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Plain full tensors on every rank, with the keys of the unsharded ``module.state_dict()``.  Gathers."""
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Plain full tensors with the keys of the unsharded ``module.state_dict()``.  Gathers one tensor at a time.
+
+    Args:
+        rank0_only: only rank 0 of the module's group keeps the tensors (a single-file ``torch.save``); the
+            other ranks take part in the gathers, hold one full tensor at a time, and get ``{}``.
+            (Default: ``False``: every rank gets the full state dict.)
+    """
     from .gather import gather_full
 
+    keep = not rank0_only or _comm.rank(getattr(getattr(module, "_shardtensor", None), "group", None)) == 0
     out = {}
     for key, value in module.state_dict().items():
-        out[key] = gather_full(value).clone() if isinstance(value, ShardedParam) else value
+        if isinstance(value, ShardedParam):
+            full = gather_full(value)  # every rank takes part
+            if keep:
+                out[key] = full.clone()
+        elif keep:
+            out[key] = value
     return out
 
 

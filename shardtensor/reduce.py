@@ -95,6 +95,7 @@ class GradSync:
         self.grad_dtype = grad_dtype
         self.max_pending_bytes = max_pending_bytes
         self._pending: list[PendingReduce] = []
+        self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self._callback_queued = False
 
     # [Note: overlapped gradient reduction]
@@ -137,6 +138,10 @@ class GradSync:
             if isinstance(grad, ShardedParam):  # a gradient computed shard-wise is already this rank's
                 return grad
             grad = grad.detach()
+            if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
+                return ShardedParam(self._defer(key, grad).new_zeros(layout.local_shape(), dtype=dtype),
+                                    layout, (), None, key)
+            grad = self._with_deferred(key, grad)
             if grad.dtype == dtype and self._can_overlap(param, layout, grad):
                 return ShardedParam(self._start(grad, layout, key), layout, (), None, key)
             shard = layout.reduce_grad(grad, self.reducer, key)
@@ -148,8 +153,33 @@ class GradSync:
         """0-d floating parameters are not sharded; their gradients are averaged like DDP's."""
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.detach().clone()
+            key = f"replicated:{id(hook)}"
+            if not self.enabled:
+                return torch.zeros_like(self._defer(key, grad.detach()))
+            grad = self._with_deferred(key, grad.detach()).clone()
             _comm.all_reduce(grad, group, op="avg")
             return grad
 
         return hook
+
+    # [Note: deferred gradient sync]
+    # ``shardtensor.gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the
+    # full local gradient into a side buffer (``_deferred``, one full tensor per parameter: the memory traded
+    # for communication) and hands AccumulateGrad a zero shard; the next synced backward adds the buffer to its
+    # gradient and reduces once.  The mean of the summed gradients is the sum of the means, so the result equals
+    # reducing every micro-batch (up to summation order).
+    def _defer(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        kept = self._deferred.get(key)
+        if kept is None:
+            self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
+        else:
+            kept.add_(grad)
+        return grad
+
+    def _with_deferred(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        kept = self._deferred.pop(key, None) if self._deferred else None
+        return grad if kept is None else kept.add_(grad)
+
+    def deferred_bytes(self) -> int:
+        """Bytes of full local gradients waiting for the next synced backward."""
+        return sum(t.numel() * t.element_size() for t in self._deferred.values())

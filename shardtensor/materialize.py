@@ -1,0 +1,91 @@
+"""Meta-device init: build a model with no memory, shard it, then allocate and initialise only the shards.
+
+    with torch.device("meta"):
+        model = Big()                      # no storage anywhere
+    shardtensor.shard_module(model)        # ShardedParams over meta shards
+    shardtensor.materialize(model)         # each rank allocates its rows and runs reset_parameters()
+
+[Note: same values as unsharded init]
+``nn.init`` draws in place (``uniform_``, ``normal_``...).  On a ShardedParam the op table draws the *full*
+tensor from the same generator and keeps this rank's rows (dispatch.py, ``_random_init``), so with the same
+seed every rank ends with its rows of exactly the tensor an unsharded ``reset_parameters()`` draws, and the
+generator advances by the same amount.  The price is one full parameter alive during its own init: peak memory
+is the shards plus the largest single parameter, never the whole model.  Parameters are initialised in
+``model.modules()`` order, which is the construction order of ordinary modules; a module that draws in its
+``__init__`` in another order (or tied weights, which keep the last module's init) needs an ``init_fn``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from . import _comm
+from .api import _sharding_state
+from .tensor import ShardedParam
+
+
+@torch.no_grad()
+def materialize(
+    module: nn.Module,
+    init_fn: Optional[Callable[[nn.Module], None]] = None,
+    *,
+    device: Union[torch.device, str, None] = None,
+) -> nn.Module:
+    """Allocate the meta-device shards (and meta buffers / unsharded parameters) of a sharded module, then init.
+
+    Args:
+        module: the root module returned by ``shard_module`` (built under ``torch.device("meta")``).
+        init_fn: called once as ``init_fn(module)`` after allocation (e.g. ``lambda m: m.apply(my_init)``).
+            (Default: ``reset_parameters()`` of every submodule that has one, in ``module.modules()`` order;
+            see [Note: same values as unsharded init].)
+        device: where the shards live (Default: CPU, or the current CUDA device when CUDA is available).
+    Returns:
+        ``module`` itself; memory allocated on this rank is its shards plus, transiently, one full parameter.
+    """
+    state = _sharding_state(module)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    replaced: dict[int, nn.Parameter] = {}
+    for module_name, submodule in module.named_modules(remove_duplicate=False):
+        for name, param in list(submodule._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in replaced:
+                fqn = f"{module_name}.{name}" if module_name else name
+                replaced[id(param)] = _allocate(param, fqn, state, device)
+            submodule._parameters[name] = replaced[id(param)]
+        for name, buffer in list(submodule._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                submodule._buffers[name] = torch.zeros_like(buffer, device=device)
+    state.params = {fqn: replaced.get(id(p), p) for fqn, p in state.params.items()}
+
+    if init_fn is not None:
+        init_fn(module)
+    else:
+        for submodule in module.modules():
+            reset = getattr(submodule, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return module
+
+
+def _allocate(param: nn.Parameter, fqn: str, state, device: torch.device) -> nn.Parameter:
+    """A zero-filled replacement of one meta parameter on ``device``, with the hooks shard_module gave it."""
+    if not isinstance(param, ShardedParam):  # 0-d or non-floating: replicated, allocated whole
+        new = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+        if new.requires_grad and new.is_floating_point() and _comm.world_size(state.group) > 1:
+            state.hook_handles.append(new.register_hook(state.grad_sync.replicated_grad_hook(state.group)))
+        return new
+    layout = param._layout
+    local = torch.zeros(param._local.shape, dtype=param.dtype, device=device)
+    new = nn.Parameter(ShardedParam(local, layout, (), state.gatherer, fqn), requires_grad=param.requires_grad)
+    new._gatherer = state.gatherer
+    new._name = fqn
+    state.gatherer.register(new)
+    if new.requires_grad:
+        state.hook_handles.append(new.register_hook(state.grad_sync.sharded_grad_hook(new, fqn)))
+    return new

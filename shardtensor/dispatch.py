@@ -509,7 +509,12 @@ def compute(func, args, kwargs):
     params = _params_in(args, kwargs)
     with _Gathered(params) as fulls:
         swap = lambda x: fulls[id(x)] if isinstance(x, ShardedParam) else x  # noqa: E731
-        out = func(*_map_args(swap, args), **_map_kwargs(swap, kwargs))
+        try:
+            out = func(*_map_args(swap, args), **_map_kwargs(swap, kwargs))
+        except Exception as exc:  # the op's own error, with the op and the parameters it ran on
+            exc.add_note(f"shardtensor: raised by {func} on the gathered ShardedParams "
+                         f"{[p._name or tuple(p.shape) for p in params]}")
+            raise
         return _unalias(out, fulls)
 
 
@@ -520,7 +525,8 @@ def _unalias(out, fulls: dict[int, torch.Tensor]):
         return out
 
     def fix(t):
-        if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in ptrs:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() \
+                and t.untyped_storage().data_ptr() in ptrs:  # sparse outputs have no storage (and are copies)
             return t.clone()
         return t
 

@@ -172,6 +172,11 @@ class ShardedParam(torch.Tensor):
         """Shard a tensor that every rank holds in full (same values on every rank); keeps this rank's rows."""
         if full.dim() == 0:
             raise ValueError(f"ShardedParam.from_full: cannot shard a 0-d tensor along dim 0 ({name or 'tensor'})")
+        if full.layout != torch.strided:
+            raise NotImplementedError(
+                f"ShardedParam.from_full: {name or 'tensor'} has layout {full.layout}; only dense (strided) tensors "
+                "can be sharded. Fix: keep sparse parameters unsharded, or shard full.to_dense()."
+            )
         layout = ShardLayout.for_shape(full.shape, group)
         return cls(layout.shard_of(full.detach()), layout, (), None, name, requires_grad)
 

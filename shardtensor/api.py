@@ -51,6 +51,7 @@ def shard_module(
     placement: str = "dim0",
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    offload=None,
 ) -> nn.Module:
     """Replace every floating parameter of ``module`` (dim >= 1) by a ``ShardedParam``, in place.
 
@@ -77,6 +78,9 @@ def shard_module(
         placement: ``"dim0"`` (each rank keeps ceil(rows / world) rows of every parameter) or ``"layerwise"``
             (each parameter is owned whole by one rank, balanced by bytes; gathers broadcast from the owner,
             gradients reduce to it; see ``shardtensor.layerwise``) (Default: ``"dim0"``).
+        offload: ``shardtensor.offload.CPUOffload(...)``: shards in pinned host memory, copied to the GPU before
+            their gathers (CUDA only; on a CPU-only machine it raises instead of copying host to host).
+            Optimizer state goes to NVMe through ``shardtensor.offload.NVMeCPUAdam`` instead. (Default: None)
     Returns:
         ``module`` itself.
     """
@@ -125,6 +129,13 @@ def shard_module(
     handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype, owners),
                                                     with_kwargs=True))
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
+    if offload is not None:
+        if not hasattr(offload, "attach"):
+            raise TypeError(
+                f"shard_module: offload={type(offload).__name__} is not a parameter offload; use "
+                "shardtensor.offload.CPUOffload(...) (NVMeOffload homes optimizer state: pass it to NVMeCPUAdam)"
+            )
+        offload.attach(module)
     return module
 
 

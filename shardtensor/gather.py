@@ -80,6 +80,9 @@ class Gatherer:
         self.prefetch_bytes = int(prefetch_bytes)
         self.min_free_bytes = int(min_free_bytes)
         self.free_memory_fn = free_memory_fn or _free_memory_bytes
+        # Where a gather reads the shard from: ``param._local`` unless an offload (``shardtensor.offload.
+        # CPUOffload``) homes shards elsewhere and hands over a device copy, prefetched in the recorded order.
+        self.shard_source: Optional[Callable[[int, ShardedParam], torch.Tensor]] = None
         self._params: list[ShardedParam] = []  # registered base parameters, by index
         self._index: dict[int, int] = {}  # id(param._local) -> index
         self._entries: dict[int, _Entry] = {}  # index -> gathered / in-flight buffer
@@ -221,7 +224,7 @@ class Gatherer:
         param = self._params[index]
         if not async_op:
             self._evict_unused()
-        local = param._local
+        local = param._local if self.shard_source is None else self.shard_source(index, param)
         if self.param_dtype is not None and local.dtype != self.param_dtype and local.is_floating_point():
             local = local.to(self.param_dtype)
         result = param._layout.gather(local, async_op=async_op)

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import _comm
 from .tensor import ShardedParam, apply_views
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,8 @@ class Gatherer:
         local = param._local if self.shard_source is None else self.shard_source(index, param)
         if self.param_dtype is not None and local.dtype != self.param_dtype and local.is_floating_point():
             local = local.to(self.param_dtype)
-        result = param._layout.gather(local, async_op=async_op)
+        with _comm.labelled(f"all-gather of {param._name!r}"):  # names the step if a rank dies or hangs
+            result = param._layout.gather(local, async_op=async_op)
         full = result.buffer[: param._layout.shape[0]] if result.buffer.shape[0] != param._layout.shape[0] else result.buffer
         if full is param._local:
             full = param._local.view(param._local.shape)  # a distinct alias, so weakref accounting sees it
@@ -265,4 +267,5 @@ def _gather_now(local: torch.Tensor, layout) -> torch.Tensor:
 
 def gather_full(param: ShardedParam) -> torch.Tensor:
     """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
-    return apply_views(_gather_now(param._local, param._layout), param._views)
+    with _comm.labelled(f"all-gather of {param._name!r}"):
+        return apply_views(_gather_now(param._local, param._layout), param._views)

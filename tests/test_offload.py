@@ -1,0 +1,217 @@
+"""Offload: NVMe-offloaded optimizer state trains like resident state within its budget; the swap layer survives
+concurrency and injected I/O faults without deadlock, lost or stale data; CPU offload refuses on a CPU machine."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from rank_pool import run_on_ranks
+from shardtensor.offload import CPUOffload, NVMeCPUAdam, NVMeOffload, SwapError, SwapSpace
+from shardtensor.offload.swap import SwapState
+
+
+# ---------------------------------------------------------------------------------------------- acceptance 1
+def _nvme_training_case(tmpdir: str, speculative: bool, budget: int, steps: int) -> dict:
+    """CPUAdam vs NVMeCPUAdam on the same sharded model and data (each rank its own micro-batch)."""
+    from shardtensor import _comm, shard_module
+    from shardtensor.optim import CPUAdam
+
+    rank = _comm.rank()
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                              nn.Linear(64, 5))
+        return shard_module(model, gather="sequential")
+
+    ref_model, off_model = build(), build()
+    ref = CPUAdam(ref_model.parameters(), lr=1e-2, max_grad_norm=0.5, speculative=speculative)
+    offload = NVMeOffload(os.path.join(tmpdir, f"rank{rank}"), budget_bytes=budget, buffer_bytes=4096, workers=2)
+    opt = NVMeCPUAdam(off_model.parameters(), offload, lr=1e-2, max_grad_norm=0.5, speculative=speculative)
+    gen = torch.Generator().manual_seed(10 + rank)
+    for k in range(steps):
+        x = torch.randn(8, 24, generator=gen) 
+        for model, o in ((ref_model, ref), (off_model, opt)):
+            o.zero_grad()
+            (model(x).pow(2).mean() * (100.0 if k == 2 else 1.0)).backward()  # step 2 clips
+            o.step()
+    diff = max((a.to_local() - b.to_local()).abs().max().item()
+               for a, b in zip(ref_model.parameters(), off_model.parameters()))
+    state_bytes = sum(2 * p.to_local().numel() * 4 for p in off_model.parameters())
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    state_diff = max((sd["state"][i][k] - ref_sd["state"][i][k]).abs().max().item()
+                     for i in ref_sd["state"] for k in ("exp_avg", "exp_avg_sq"))
+    out = dict(diff=diff, state_diff=state_diff, state_bytes=state_bytes, stats=offload.stats(),
+               clipped=opt.stats.clipped_steps, ref_clipped=ref.stats.clipped_steps)
+    opt.close()
+    ref.close()
+    offload.close()
+    return out
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_nvme_offloaded_state_trains_like_resident_state_within_budget(tmp_path, speculative):
+    budget = 20 << 10  # 20 KiB; each rank's state is ~41 KiB (largest unit: 2 * 32*64 * 4 B = 16 KiB)
+    results = run_on_ranks(2, _nvme_training_case, str(tmp_path), speculative, budget, 5)
+    for r in results:
+        assert r["diff"] <= 1e-6 and r["state_diff"] <= 1e-6, r
+        assert r["clipped"] == r["ref_clipped"] >= 1, r
+        s = r["stats"]
+        assert r["state_bytes"] > 2 * budget, r  # the budget forces swapping: not everything can stay resident
+        assert s["peak_resident_bytes"] <= budget, r  # measured high-water mark of resident state
+        assert s["writes"] > 0 and s["reads"] > 0 and s["bytes_read"] >= r["state_bytes"], r
+
+
+# ---------------------------------------------------------------------------------------------- acceptance 2
+class _FaultyIO:
+    """Writer/reader with random delays; the writer raises ENOSPC for files whose name contains ``fail``."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.fail = "never"
+
+    def _delay(self) -> None:
+        with self.lock:
+            d = self.rng.random() * 0.004
+        time.sleep(d)
+
+    def writer(self, fd: int, bufs: list, offset: int) -> int:
+        self._delay()
+        if self.fail in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return os.pwritev(fd, bufs, offset)
+
+    def reader(self, fd: int, bufs: list, offset: int) -> int:
+        self._delay()
+        return os.preadv(fd, bufs, offset)
+
+
+def test_swap_stress_no_deadlock_no_stale_data_and_named_faults(tmp_path):
+    io = _FaultyIO(seed=7)
+    space = SwapSpace(tmp_path, workers=3, buffer_bytes=4096, max_inflight=8, timeout_s=20, writer=io.writer,
+                      reader=io.reader)
+    gen = torch.Generator().manual_seed(0)
+    n = 24
+    tensors = [torch.randn(int(torch.randint(1, 3000, (1,), generator=gen)), generator=gen) for _ in range(n)]
+    truth = [t.clone() for t in tensors]
+    handles = [space.register(f"t{i}", t) for i, t in enumerate(tensors)]
+    rng = random.Random(1)
+    start = time.monotonic()
+    errors: list = []
+
+    def owner(ids: list, seed: int) -> None:
+        # Two owner threads, disjoint tensors, many interleaved swap-ins/outs and in-place updates.
+        r = random.Random(seed)
+        try:
+            for _ in range(150):
+                i = r.choice(ids)
+                h = handles[i]
+                op = r.random()
+                if op < 0.4:
+                    space.swap_out(h)
+                elif op < 0.8:
+                    space.swap_in(h)
+                    space.wait(h)
+                    assert h.state is SwapState.RESIDENT
+                    assert torch.equal(tensors[i], truth[i]), f"stale data in t{i}"
+                    if r.random() < 0.5:  # modify it: the next swap-out must write, not trust the old file
+                        space.mark_dirty(h)
+                        tensors[i].add_(1.0)
+                        truth[i].add_(1.0)
+                else:
+                    space.wait(h)  # with or without a request in flight: never blocks on "the queue"
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ids = list(range(n))
+    rng.shuffle(ids)
+    threads = [threading.Thread(target=owner, args=(ids[k::2], k)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "swap stress deadlocked"
+    assert not errors, errors
+    space.sync()
+    for i, h in enumerate(handles):  # nothing lost: every tensor reads back its latest value
+        space.swap_in(h)
+        space.wait(h)
+        assert torch.equal(tensors[i], truth[i]), i
+    assert space.writes > n and space.reads > n and space.max_inflight == 8
+
+    # Injected disk-full on one tensor's write: a named error, the in-memory copy survives, others unaffected.
+    victim = handles[3]
+    space.mark_dirty(victim)
+    tensors[3].mul_(2.0)
+    truth[3].mul_(2.0)
+    io.fail = os.path.basename(victim.path)
+    space.swap_out(victim)
+    space.swap_out(handles[4])
+    with pytest.raises(SwapError, match=r"write of tensor 't3'.*file .*t3\.swp.*No space left.*stays in memory"):
+        space.wait(victim)
+    assert victim.state is SwapState.RESIDENT and torch.equal(tensors[3], truth[3])
+    space.wait(handles[4])
+    io.fail = "never"
+    space.swap_out(victim)  # the disk has room again: the retry writes and frees
+    space.wait(victim)
+    assert victim.state is SwapState.SWAPPED
+
+    # A removed file: the read raises naming tensor and file; the tensor stays swapped out (no garbage served).
+    space.swap_out(handles[5])
+    space.wait(handles[5])
+    os.unlink(handles[5].path)
+    space.swap_in(handles[5])
+    with pytest.raises(SwapError, match=r"read of tensor 't5'.*t5\.swp"):
+        space.wait(handles[5])
+    assert handles[5].state is SwapState.SWAPPED
+
+    # A truncated file: a short read is an error, not zeros.
+    space.swap_out(handles[6])
+    space.wait(handles[6])
+    os.truncate(handles[6].path, 8)
+    space.swap_in(handles[6])
+    with pytest.raises(SwapError, match=r"t6.*short"):
+        space.wait(handles[6])
+
+    # A stuck device: the wait times out with the names, instead of hanging.
+    stuck = threading.Event()
+    slow = SwapSpace(tmp_path / "slow", workers=1, timeout_s=0.2,
+                     writer=lambda fd, b, o: (stuck.wait(5), os.pwritev(fd, b, o))[1])
+    h = slow.register("slow_tensor", torch.ones(10))
+    slow.swap_out(h)
+    with pytest.raises(SwapError, match=r"slow_tensor.*did not finish"):
+        slow.wait(h)
+    stuck.set()
+    slow.wait(h)
+    slow.close()
+    assert time.monotonic() - start < 30
+    space.close()
+
+
+def test_budget_too_small_and_bad_tensors_are_named(tmp_path):
+    space = SwapSpace(tmp_path)
+    with pytest.raises(ValueError, match="own its whole resizable storage"):
+        space.register("view", torch.zeros(10)[2:].view(-1).clone()[:4])
+    space.close()
+    with pytest.raises(ValueError, match="budget_bytes"):
+        NVMeOffload(tmp_path, budget_bytes=0)
+
+
+def test_cpu_offload_refuses_on_a_cpu_machine():
+    from shardtensor import shard_module
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    with pytest.raises(ValueError, match="host to host"):
+        shard_module(nn.Linear(4, 4), offload=CPUOffload(pin_memory=True))
+    with pytest.raises(TypeError, match="NVMeCPUAdam"):
+        shard_module(nn.Linear(4, 4), offload=object())

@@ -49,19 +49,16 @@ def materialize(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    replaced: dict[int, nn.Parameter] = {}
+    done: set[int] = set()
     for module_name, submodule in module.named_modules(remove_duplicate=False):
         for name, param in list(submodule._parameters.items()):
-            if param is None or not param.is_meta:
+            if param is None or not param.is_meta or id(param) in done:
                 continue
-            if id(param) not in replaced:
-                fqn = f"{module_name}.{name}" if module_name else name
-                replaced[id(param)] = _allocate(param, fqn, state, device)
-            submodule._parameters[name] = replaced[id(param)]
+            done.add(id(param))
+            _allocate_in_place(param, f"{module_name}.{name}" if module_name else name, state, device)
         for name, buffer in list(submodule._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 submodule._buffers[name] = torch.zeros_like(buffer, device=device)
-    state.params = {fqn: replaced.get(id(p), p) for fqn, p in state.params.items()}
 
     if init_fn is not None:
         init_fn(module)
@@ -73,19 +70,28 @@ def materialize(
     return module
 
 
-def _allocate(param: nn.Parameter, fqn: str, state, device: torch.device) -> nn.Parameter:
-    """A zero-filled replacement of one meta parameter on ``device``, with the hooks shard_module gave it."""
-    if not isinstance(param, ShardedParam):  # 0-d or non-floating: replicated, allocated whole
-        new = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
-        if new.requires_grad and new.is_floating_point() and _comm.world_size(state.group) > 1:
-            state.hook_handles.append(new.register_hook(state.grad_sync.replicated_grad_hook(state.group)))
-        return new
-    layout = param._layout
-    local = torch.zeros(param._local.shape, dtype=param.dtype, device=device)
-    new = nn.Parameter(ShardedParam(local, layout, (), state.gatherer, fqn), requires_grad=param.requires_grad)
-    new._gatherer = state.gatherer
-    new._name = fqn
-    state.gatherer.register(new)
-    if new.requires_grad:
-        state.hook_handles.append(new.register_hook(state.grad_sync.sharded_grad_hook(new, fqn)))
-    return new
+def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.device) -> None:
+    """Give one meta parameter zero-filled storage on ``device``, keeping the Python object.
+
+    ``torch.utils.swap_tensors`` keeps the parameter's identity (the module, tied modules, the gather schedule
+    and shard_module's check that parameters were not replaced all hold this object); the gradient hook lives
+    on the swapped-out tensor, so it is registered again here.
+    """
+    if isinstance(param, ShardedParam):
+        meta_local = param._local
+        local = torch.zeros(meta_local.shape, dtype=param.dtype, device=device)
+        real = nn.Parameter(ShardedParam(local, param._layout, (), state.gatherer, fqn), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, real)
+        param._backward_hooks = None  # swap_tensors leaves the Python hook dict behind, unwired: start afresh
+        param._gatherer, param._name = state.gatherer, fqn
+        getattr(state.gatherer, "_index", {}).pop(id(meta_local), None)  # the meta shard is gone: no stale id
+        state.gatherer.register(param)
+        if param.requires_grad:
+            state.hook_handles.append(param.register_hook(state.grad_sync.sharded_grad_hook(param, fqn)))
+        return
+    # 0-d or non-floating: replicated, allocated whole
+    real = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, real)
+    param._backward_hooks = None
+    if param.requires_grad and param.is_floating_point() and _comm.world_size(state.group) > 1:
+        state.hook_handles.append(param.register_hook(state.grad_sync.replicated_grad_hook(state.group)))

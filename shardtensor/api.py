@@ -45,7 +45,7 @@ def shard_module(
     *,
     group=None,
     gather: str = "overlapped",
-    prefetch_bytes: int = 64 << 20,
+    prefetch_bytes: Optional[int] = None,
     min_free_bytes: int = 1 << 30,
     reducer: Optional[GradientReducer] = None,
     placement: str = "dim0",
@@ -68,7 +68,8 @@ def shard_module(
         module: the model; its parameters must hold the same values on every rank (same seed).
         group: process group to shard over (Default: the default group; a single process needs none).
         gather: ``"sequential"``, ``"overlapped"`` or ``"auto"`` (Default: ``"overlapped"``).
-        prefetch_bytes: prefetch budget of overlapped mode (Default: 64 MiB).
+        prefetch_bytes: prefetch budget of overlapped mode, also the bound on gradient reduce-scatters in flight
+            (Default: twice the largest parameter).
         min_free_bytes: auto mode's memory threshold (Default: 1 GiB).
         reducer: gradient reducer (Default: ``ExactReducer(reduce_dtype)``).
         param_dtype: mixed precision: shards stay in their dtype (the fp32 master copy), gathers cast to
@@ -96,6 +97,7 @@ def shard_module(
         raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
     gatherer = Gatherer(mode, prefetch_bytes=prefetch_bytes, min_free_bytes=min_free_bytes, param_dtype=param_dtype)
     grad_sync = GradSync(reducer if reducer is not None else ExactReducer(reduce_dtype))
+    grad_sync.pending_budget = gatherer.reduce_overlap_bytes
     _refuse_dtensor_parameters(module)
     _check_same_model_on_every_rank(module, group)
     if placement not in ("dim0", "layerwise"):

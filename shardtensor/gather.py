@@ -71,14 +71,14 @@ class Gatherer:
         self,
         mode: GatherMode | str = GatherMode.OVERLAPPED,
         *,
-        prefetch_bytes: int = 64 << 20,
+        prefetch_bytes: Optional[int] = None,
         min_free_bytes: int = 1 << 30,
         free_memory_fn: Optional[Callable[[torch.device], int]] = None,
         param_dtype: Optional[torch.dtype] = None,
     ):
         self.mode = GatherMode(mode)
         self.param_dtype = param_dtype  # mixed precision: cast the shard before the collective (half the bytes)
-        self.prefetch_bytes = int(prefetch_bytes)
+        self.prefetch_bytes = None if prefetch_bytes is None else int(prefetch_bytes)  # None: see _budget
         self.min_free_bytes = int(min_free_bytes)
         self.free_memory_fn = free_memory_fn or _free_memory_bytes
         # Where a gather reads the shard from: ``param._local`` unless an offload (``shardtensor.offload.
@@ -101,6 +101,16 @@ class Gatherer:
         self._alive_refs: list[weakref.ref] = []
 
     # ------------------------------------------------------------------ registration and step boundary
+    def _budget(self) -> int:
+        """Prefetch budget: ``prefetch_bytes``, or by default twice the largest registered gather."""
+        if self.prefetch_bytes is not None:
+            return self.prefetch_bytes
+        return 2 * max((p._layout.gather_numel() * p._local.element_size() for p in self._params), default=0)
+
+    def reduce_overlap_bytes(self) -> int:
+        """Bound on gradient reduce-scatters in flight (``GradSync.pending_budget``): the prefetch budget."""
+        return self._budget()
+
     def register(self, param: ShardedParam) -> None:
         self._index[id(param._local)] = len(self._params)
         self._params.append(param)
@@ -202,7 +212,7 @@ class Gatherer:
     def _prefetch(self) -> None:
         if self._is_recording or not self._overlapping():
             return
-        budget = self.prefetch_bytes - sum(
+        budget = self._budget() - sum(
             e.full.numel() * e.full.element_size() for e in self._entries.values() if e.users <= 0
         )
         seen = set()

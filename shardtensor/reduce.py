@@ -18,7 +18,7 @@ the result is this rank's ``(rows_per_rank, ...)`` rows of the *mean* over ranks
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -94,6 +94,7 @@ class GradSync:
         self.enabled = True
         self.grad_dtype = grad_dtype
         self.max_pending_bytes = max_pending_bytes
+        self.pending_budget: Callable[[], int] = lambda: max_pending_bytes  # shard_module: the Gatherer's policy
         self._pending: list[PendingReduce] = []
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self._callback_queued = False
@@ -106,8 +107,10 @@ class GradSync:
     # gradient (AccumulateGrad adds at once), when post-accumulate hooks are registered (e.g. CPUAdam's
     # speculative steps read it), or when the reducer or the layout cannot start one (4-bit, layer-wise).
     def _can_overlap(self, param: ShardedParam, layout: ShardLayout, grad: torch.Tensor) -> bool:
+        self.max_pending_bytes = self.pending_budget()
         return (
-            param.grad is None
+            self.max_pending_bytes > 0
+            and param.grad is None
             and not getattr(param, "_post_accumulate_grad_hooks", None)
             and hasattr(self.reducer, "can_start")
             and type(layout).reduce_grad is ShardLayout.reduce_grad

@@ -1,0 +1,408 @@
+"""Reliability: every misuse fails clearly, debugging never communicates, dead ranks never hang, checkpoints are
+untrusted input.  (Random op sequences: test_fuzz_ops.py.)"""
+
+from __future__ import annotations
+
+import copy
+import io
+import multiprocessing as mp
+import os
+import pickle
+import pprint
+import queue
+import socket
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import shardtensor
+from shardtensor import ShardedOpError, ShardedParam, _comm
+from shardtensor.checkpoint_files import CheckpointError, load_shards, save_shards
+from rank_pool import run_on_ranks
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+
+
+# ============================================================== error catalogue
+def test_sharding_twice_names_the_model():
+    model = shardtensor.shard_module(_mlp())
+    with pytest.raises(ValueError, match="already sharded"):
+        shardtensor.shard_module(model)
+
+
+def test_parameter_shared_with_a_separately_sharded_module_is_refused():
+    shared = nn.Linear(3, 3)
+    first = shardtensor.shard_module(nn.Sequential(shared, nn.Linear(3, 1)))
+    with pytest.raises(ValueError, match=r"'0\.weight'.*already sharded.*shard_module once on the parent"):
+        shardtensor.shard_module(nn.Sequential(shared, nn.Linear(3, 2)))
+    # the same Parameter object in two distinct modules: after the first call the second still holds the plain one
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    shardtensor.shard_module(nn.Sequential(a))
+    second = nn.Sequential(nn.Linear(2, 4), b)
+    with pytest.raises(ValueError, match=r"'1\.weight'.*already sharded \(as '0\.weight'\)"):
+        shardtensor.shard_module(second)
+    assert not any(isinstance(p, ShardedParam) for p in second.parameters()), "refused before replacing anything"
+    assert isinstance(first[0].weight, ShardedParam)
+
+
+@pytest.mark.parametrize("convert", ["double", "half", "to_float64", "assign_load"])
+def test_module_converted_after_sharding_fails_at_the_next_forward(convert):
+    model = shardtensor.shard_module(_mlp())
+    model.float().to("cpu").to(torch.float32)  # no-op conversions stay legal
+    model(torch.randn(2, 3))
+    if convert == "double":
+        model.double()
+    elif convert == "half":
+        model.half()
+    elif convert == "to_float64":
+        model.to(torch.float64)
+    else:
+        model.load_state_dict({k: v.detach().clone() for k, v in _mlp(1).state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' was converted or replaced after shard_module"):
+        model(torch.randn(2, 3))
+
+
+def different_models(world_check: bool):
+    width = 5 + _comm.rank()  # rank-dependent architecture
+    try:
+        shardtensor.shard_module(nn.Linear(3, width))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_different_models_on_different_ranks_fail_at_shard_module():
+    for rank, message in enumerate(run_on_ranks(2, different_models, True)):
+        assert "has a different model" in message and "weight" in message, (rank, message)
+
+
+def test_ops_that_would_write_into_a_shard_name_the_op():
+    p = ShardedParam.from_full(torch.randn(4, 3), name="w")
+    with torch.no_grad():
+        with pytest.raises(ShardedOpError, match=r"aten\.add\.out.*'w'"):
+            torch.add(torch.ones(4, 3), torch.ones(4, 3), out=p)
+        with pytest.raises(ShardedOpError, match=r"aten\.mm\.out"):
+            torch.mm(torch.ones(4, 2), torch.ones(2, 3), out=p)
+        with pytest.raises(ShardedOpError, match=r"aten\.resize_"):
+            p.resize_(2, 3)
+        with pytest.raises(ShardedOpError, match=r"aten\.t_"):
+            p.t_()
+    with pytest.raises(NotImplementedError, match="only dense"):
+        ShardedParam.from_full(torch.eye(3).to_sparse())
+    assert p.to_sparse().layout == torch.sparse_coo  # a compute op with a sparse output works
+    with pytest.raises(RuntimeError) as info:  # the op's own error carries a note naming op and parameter
+        torch.mm(p, torch.ones(4, 4))
+    assert "aten.mm.default" in "".join(getattr(info.value, "__notes__", [])) and "'w'" in info.value.__notes__[0]
+
+
+def test_bad_state_dicts_are_refused_before_anything_is_copied():
+    model = shardtensor.shard_module(_mlp())
+    before = shardtensor.full_state_dict(model)
+    good = {k: v + 1 for k, v in before.items()}
+    cases = {
+        r"'0\.weight' has shape \(4, 3\)": {**good, "0.weight": torch.zeros(4, 3)},
+        r"'2\.bias' is torch\.float64": {**good, "2.bias": good["2.bias"].double()},
+        r"missing \['2\.bias'\]": {k: v for k, v in good.items() if k != "2.bias"},
+        r"unexpected \['extra'\]": {**good, "extra": torch.zeros(1)},
+        r"'0\.bias' is a list": {**good, "0.bias": [0.0] * 5},
+    }
+    for pattern, state in cases.items():
+        with pytest.raises(ValueError, match=pattern):
+            shardtensor.load_full_state_dict(model, state)
+        for key, value in shardtensor.full_state_dict(model).items():
+            assert torch.equal(value, before[key]), f"{pattern}: {key} changed by a refused load"
+
+
+# ============================================================== debugging safety
+def _no_communication(*args, **kwargs):
+    raise AssertionError("a debugging operation tried to communicate")
+
+
+def debugging_report() -> dict:
+    """Every debugging operation on a ShardedParam, with every collective patched to fail."""
+    names = ["all_gather_rows", "reduce_scatter_rows", "all_reduce", "all_to_all", "broadcast", "reduce",
+             "all_gather_object", "barrier"]
+    saved = {n: getattr(_comm, n) for n in names if hasattr(_comm, n)}
+    model = shardtensor.shard_module(_mlp())
+    p = model[0].weight
+    report: dict = {}
+    try:
+        for n in saved:
+            setattr(_comm, n, _no_communication)
+        report["texts"] = [repr(p), str(p), f"{p}", format(p, ">150"), pprint.pformat({"w": p}), repr(p.t()),
+                           repr(model)]
+        try:
+            format(p, ".2f")
+        except TypeError as exc:
+            report["numeric_format"] = str(exc)
+        shallow, deep = copy.copy(p), copy.deepcopy(p)
+        report["copy_shares"] = shallow._local is p._local and isinstance(shallow, ShardedParam)
+        report["deepcopy_sharded"] = (isinstance(deep, ShardedParam) and torch.equal(deep._local, p._local)
+                                      and deep._local.data_ptr() != p._local.data_ptr() and deep._layout == p._layout
+                                      and deep.requires_grad and isinstance(deep, nn.Parameter))
+        unpickled = pickle.loads(pickle.dumps(p))
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        report["pickle_keeps_shard"] = (torch.equal(unpickled._local, p._local)
+                                        and unpickled._layout.rank == p._layout.rank
+                                        and unpickled._layout.world == p._layout.world
+                                        and torch.equal(loaded["0.weight"]._local, p._local)
+                                        and tuple(loaded["0.weight"].shape) == (5, 3))
+        try:
+            pickle.dumps(p.t())
+        except TypeError as exc:
+            report["pickle_view"] = str(exc)
+        try:
+            copy.deepcopy(model)
+        except TypeError as exc:
+            report["deepcopy_model"] = str(exc)
+        # what a debugger's variables view does: read every attribute; errors are allowed, communication is not
+        plain = torch.zeros(5, 3, requires_grad=True)
+        communicated = []
+        for attribute in dir(p):
+            try:
+                getattr(p, attribute)
+            except AssertionError:
+                communicated.append(attribute)
+            except Exception:  # noqa: BLE001 - the plain tensor must fail the same way
+                try:
+                    getattr(plain, attribute)
+                    communicated.append(f"{attribute} (raises only when sharded)")
+                except Exception:  # noqa: BLE001
+                    pass
+        report["attributes_read"] = len(dir(p))
+        report["communicated"] = communicated
+    finally:
+        for n, fn in saved.items():
+            setattr(_comm, n, fn)
+    return report
+
+
+def _check_debugging_report(report: dict, rank: int, world: int) -> None:
+    for text in report["texts"]:
+        assert "ShardedParam" in text or "Linear" in text
+    assert f"rank={rank}/{world}" in report["texts"][0]
+    assert "full_tensor" in report["numeric_format"]
+    assert report["copy_shares"] and report["deepcopy_sharded"] and report["pickle_keeps_shard"]
+    assert "cannot pickle a view" in report["pickle_view"]
+    assert "deepcopy of a module sharded" in report["deepcopy_model"]
+    assert report["attributes_read"] > 100 and report["communicated"] == []
+
+
+def test_debugging_operations_without_a_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    _check_debugging_report(debugging_report(), 0, 1)
+
+
+def test_debugging_operations_with_a_live_process_group():
+    for rank, report in enumerate(run_on_ranks(2, debugging_report)):
+        _check_debugging_report(report, rank, 2)
+
+
+def test_unpickled_shard_refuses_to_gather_in_another_world():
+    shard = ShardedParam.from_full(torch.randn(4, 2), name="w")
+    object.__setattr__(shard, "_layout", shardtensor.ShardLayout(torch.Size((4, 2)), 2, 0, 2))
+    shard._local = shard._local[:2].clone()
+    loaded = pickle.loads(pickle.dumps(shard))
+    assert repr(loaded).startswith("ShardedParam(shape=(4, 2)")
+    with pytest.raises(RuntimeError, match="shard of 2 ranks .* process group of 1"):
+        loaded.full_tensor()
+    with pytest.raises(ValueError, match="corrupt pickled ShardedParam"):
+        from shardtensor.tensor import _rebuild_sharded_param
+
+        _rebuild_sharded_param(torch.zeros(3, 2), ((4, 2), 2, 0, 2), "w", False, True)
+
+
+# ============================================================== hangs: dead and diverged ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fault_worker(rank: int, port: int, timeout_s: float, results) -> None:
+    """Scenarios in order: (1) ranks pass different groups to shard_module; (2) rank 1 skips a forward;
+    (3) rank 1 is dead.  Rank 0 reports each error and how long it took."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    shardtensor.set_collective_timeout(timeout_s)
+    out = {}
+    group_a, group_b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    start = time.monotonic()
+    try:
+        shardtensor.shard_module(_mlp(), group=group_a if rank == 0 else group_b)
+        out["groups"] = ("no error", 0.0)
+    except Exception as exc:  # noqa: BLE001
+        out["groups"] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+    model = shardtensor.shard_module(_mlp(), gather="sequential")
+    x = torch.randn(2, 3)
+    model(x)  # both ranks: one good step
+    if rank == 1:
+        time.sleep(timeout_s + 1.5)  # skip the next forward, then die
+        _report_and_exit(results, 1, out)
+    for scenario in ("skipped", "dead"):
+        start = time.monotonic()
+        try:
+            model(x)
+            out[scenario] = ("no error", 0.0)
+        except Exception as exc:  # noqa: BLE001
+            out[scenario] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+        if scenario == "skipped":
+            time.sleep(2.0)  # rank 1 has exited by now
+    _report_and_exit(results, 0, out)
+
+
+def _report_and_exit(results, rank: int, out: dict) -> None:
+    results.put((rank, out))
+    results.close()
+    results.join_thread()  # the queue's feeder thread must flush before _exit
+    os._exit(0)  # a process group with a dead peer cannot be torn down cleanly
+
+
+def test_a_rank_that_skips_a_step_or_dies_fails_the_other_with_a_named_step_not_a_hang():
+    timeout_s = 3.0
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_fault_worker, args=(r, port, timeout_s, results), daemon=True) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    reports = {}
+    try:
+        deadline = time.monotonic() + 90
+        while len(reports) < 2 and time.monotonic() < deadline:
+            try:
+                rank, out = results.get(timeout=1.0)
+                reports[rank] = out
+            except queue.Empty:
+                if all(not proc.is_alive() for proc in procs):
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    assert 0 in reports, f"rank 0 reported nothing (a hang?): {reports}"
+    groups_message, groups_s = reports[0]["groups"]
+    assert "CollectiveError" in groups_message and "plan check" in groups_message, groups_message
+    assert groups_s < timeout_s + 5
+    skipped_message, skipped_s = reports[0]["skipped"]
+    assert "CollectiveError" in skipped_message and "all-gather of '0.weight'" in skipped_message, skipped_message
+    assert f"did not complete within {timeout_s:g} s" in skipped_message and "collective #" in skipped_message
+    assert timeout_s - 0.5 < skipped_s < timeout_s + 5, skipped_s
+    dead_message, dead_s = reports[0]["dead"]
+    assert "CollectiveError" in dead_message and "all-gather of '" in dead_message, dead_message
+    assert dead_s < timeout_s + 5, dead_s
+
+
+def test_collective_timeout_is_configurable_and_validated():
+    previous = shardtensor.set_collective_timeout(12.5)
+    try:
+        assert shardtensor.collective_timeout() == 12.5
+        with pytest.raises(ValueError, match="positive"):
+            shardtensor.set_collective_timeout(0)
+    finally:
+        shardtensor.set_collective_timeout(previous)
+
+
+# ============================================================== checkpoints
+def checkpoint_round_trip(directory: str) -> list[float]:
+    model = shardtensor.shard_module(_mlp(0))
+    save_shards(model, directory)
+    other = shardtensor.shard_module(_mlp(1))
+    load_shards(other, directory)
+    a, b = shardtensor.full_state_dict(model), shardtensor.full_state_dict(other)
+    return [(a[k] - b[k]).abs().max().item() for k in a]
+
+
+def test_shard_files_round_trip_on_two_ranks(tmp_path):
+    for diffs in run_on_ranks(2, checkpoint_round_trip, str(tmp_path)):
+        assert max(diffs) == 0.0
+    assert len(list(tmp_path.glob("shards-rank*-of-00002.pt"))) == 2
+    assert len(list(tmp_path.glob("manifest-rank*-of-00002.json"))) == 2
+
+
+def _saved(tmp_path):
+    model = shardtensor.shard_module(_mlp(0))
+    save_shards(model, tmp_path)
+    return model, tmp_path / "shards-rank00000-of-00001.pt", tmp_path / "manifest-rank00000-of-00001.json"
+
+
+def _assert_refused_and_untouched(tmp_path, pattern):
+    target = shardtensor.shard_module(_mlp(1))
+    before = shardtensor.full_state_dict(target)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_shards(target, tmp_path)
+    for key, value in shardtensor.full_state_dict(target).items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_truncated_shard_file_is_named(tmp_path):
+    _, shard, _ = _saved(tmp_path)
+    shard.write_bytes(shard.read_bytes()[:-7])
+    _assert_refused_and_untouched(tmp_path, r"shards-rank00000-of-00001\.pt: truncated")
+
+
+def test_corrupted_shard_file_is_named(tmp_path):
+    _, shard, _ = _saved(tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _assert_refused_and_untouched(tmp_path, r"shards-rank00000-of-00001\.pt: corrupted")
+
+
+def test_manifest_that_lies_about_shapes_dtypes_or_checksums_is_refused(tmp_path):
+    import json
+
+    _, shard, manifest_path = _saved(tmp_path)
+    original = json.loads(manifest_path.read_text())
+    edits = {
+        r"entry '0\.weight' has shape": lambda m: m["entries"]["0.weight"].update(shape=[6, 3]),
+        r"entry '0\.bias': checksum mismatch": lambda m: m["entries"]["0.bias"].update(sha256="0" * 64),
+        r"entry '2\.weight' has dtype": lambda m: m["entries"]["2.weight"].update(dtype="float16"),
+    }
+    for pattern, edit in edits.items():
+        manifest = copy.deepcopy(original)
+        edit(manifest)
+        manifest_path.write_text(json.dumps(manifest))
+        _assert_refused_and_untouched(tmp_path, pattern)
+    manifest_path.write_text("{not json")
+    _assert_refused_and_untouched(tmp_path, "corrupted manifest")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path):
+    import hashlib
+    import json
+
+    _, shard, manifest_path = _saved(tmp_path)
+    torch.save({"0.weight": _Evil()}, shard)  # a hostile file with a matching manifest checksum
+    manifest = json.loads(manifest_path.read_text())
+    manifest.update(file_bytes=shard.stat().st_size, file_sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
+    manifest_path.write_text(json.dumps(manifest))
+    _assert_refused_and_untouched(tmp_path, r"shards-rank00000-of-00001\.pt: cannot be read as a weights-only")
+
+
+def test_checkpoint_of_another_world_size_is_refused(tmp_path):
+    _, shard, manifest_path = _saved(tmp_path)
+    manifest_path.rename(tmp_path / "manifest-rank00000-of-00002.json")
+    _assert_refused_and_untouched(tmp_path, "no manifest for rank 0 of 1 ranks")

@@ -51,6 +51,7 @@ def shard_module(
     placement: str = "dim0",
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    persist_numel: int = 0,
     offload=None,
 ) -> nn.Module:
     """Replace every floating parameter of ``module`` (dim >= 1) by a ``ShardedParam``, in place.
@@ -76,6 +77,10 @@ def shard_module(
             ``param_dtype`` before the collective (half the bytes for bf16) and compute runs in it; floating
             inputs of the root module are cast to it (Default: None, no cast).
         reduce_dtype: dtype of the gradient reduce-scatter (Default: None, the gradient's dtype).
+        persist_numel: parameters with fewer elements stay whole on every rank (DeepSpeed's
+            ``stage3_param_persistence_threshold``): biases and norm weights cost two gathers per step each for
+            a few bytes of memory saved; replicated, they need none, and their gradients are averaged in one
+            flat all-reduce at the end of backward (Default: 0, shard everything).
         placement: ``"dim0"`` (each rank keeps ceil(rows / world) rows of every parameter) or ``"layerwise"``
             (each parameter is owned whole by one rank, balanced by bytes; gathers broadcast from the owner,
             gradients reduce to it; see ``shardtensor.layerwise``) (Default: ``"dim0"``).
@@ -120,7 +125,8 @@ def shard_module(
             if id(param) in replaced:  # tied: the same Parameter object stays one ShardedParam
                 submodule._parameters[name] = replaced[id(param)]
                 continue
-            new = _shard_parameter(param, fqn, group, gatherer, grad_sync, handles, layouts.get(id(param)))
+            new = _shard_parameter(param, fqn, group, gatherer, grad_sync, handles, layouts.get(id(param)),
+                                   persist_numel)
             replaced[id(param)] = new
             submodule._parameters[name] = new
             if isinstance(new, ShardedParam):
@@ -159,12 +165,12 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
 
 
 def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, grad_sync: GradSync, handles: list,
-                     layout: Optional[ShardLayout] = None):
+                     layout: Optional[ShardLayout] = None, persist_numel: int = 0):
     if not param.is_floating_point():
         return param
-    if param.dim() == 0:
+    if param.dim() == 0 or param.numel() < persist_numel:
         if param.requires_grad and _comm.world_size(group) > 1:
-            handles.append(param.register_hook(grad_sync.replicated_grad_hook(group)))
+            handles.append(param.register_hook(grad_sync.replicated_grad_hook(group, param)))
         return param
     if layout is None:
         layout = ShardLayout.for_shape(param.shape, group)

@@ -96,6 +96,7 @@ class GradSync:
         self.max_pending_bytes = max_pending_bytes
         self.pending_budget: Callable[[], int] = lambda: max_pending_bytes  # shard_module: the Gatherer's policy
         self._pending: list[PendingReduce] = []
+        self._replicated: list[tuple[torch.Tensor, object]] = []  # (parameter, group): .grad averaged at the end
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self._callback_queued = False
 
@@ -122,9 +123,7 @@ class GradSync:
         self._pending.append(pending)
         while sum(p.nbytes() for p in self._pending if p.work is not None) > self.max_pending_bytes:
             next(p for p in self._pending if p.work is not None).finish()
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
-            self._callback_queued = True
+        self._queue_finish()
         return pending.shard
 
     def finish_pending(self) -> None:
@@ -132,6 +131,7 @@ class GradSync:
         pending, self._pending, self._callback_queued = self._pending, [], False
         for p in pending:
             p.finish()
+        self._finish_replicated()
 
     def sharded_grad_hook(self, param: ShardedParam, key: str):
         layout = param._layout
@@ -152,18 +152,47 @@ class GradSync:
 
         return hook
 
-    def replicated_grad_hook(self, group):
-        """0-d floating parameters are not sharded; their gradients are averaged like DDP's."""
+    def replicated_grad_hook(self, group, param: Optional[torch.Tensor] = None):
+        """Parameters that stay whole on every rank (0-d, or below ``persist_numel``): gradients averaged like
+        DDP's.  The first gradient of a backward is averaged with the others in one flat all-reduce at the end
+        of backward (the same safety rules as the overlapped reduce-scatter); the rest at once."""
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             key = f"replicated:{id(hook)}"
             if not self.enabled:
                 return torch.zeros_like(self._defer(key, grad.detach()))
             grad = self._with_deferred(key, grad.detach()).clone()
+            if (param is not None and param.grad is None and self.pending_budget() > 0
+                    and not getattr(param, "_post_accumulate_grad_hooks", None)):
+                # AccumulateGrad copies a gradient someone else still references, so keep the parameter and
+                # average its .grad (this backward's gradient: it had none) at the end.
+                self._replicated.append((param, group))
+                self._queue_finish()
+                return grad
             _comm.all_reduce(grad, group, op="avg")
             return grad
 
         return hook
+
+    def _queue_finish(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
+            self._callback_queued = True
+
+    def _finish_replicated(self) -> None:
+        """One all-reduce per (group, dtype) for every replicated gradient of this backward."""
+        pending, self._replicated = self._replicated, []
+        buckets: dict = {}
+        for param, group in pending:
+            grad = param.grad
+            buckets.setdefault((id(group), grad.dtype, grad.device), (group, []))[1].append(grad)
+        for group, grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            _comm.all_reduce(flat, group, op="avg")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     # [Note: deferred gradient sync]
     # ``shardtensor.gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the

@@ -149,7 +149,10 @@ def train_and_compare(case: dict) -> float:
     world, rank = _comm.world_size(), _comm.rank()
     model = build(case)
     reference = copy.deepcopy(model)
-    shardtensor.shard_module(model, gather=case["gather"])
+    shardtensor.shard_module(model, gather=case["gather"], persist_numel=case.get("persist", 0))
+    if case.get("persist"):  # small parameters stay whole on every rank, the rest is sharded
+        for p in model.parameters():
+            assert isinstance(p, shardtensor.ShardedParam) == (p.dim() > 0 and p.numel() >= case["persist"])
     opt = make_optimizer(case["opt"], case["impl"], model.parameters(), case["lr"], case["dtype"])
     ref_opt = make_optimizer(case["opt"], case["impl"], reference.parameters(), case["lr"], case["dtype"])
     gen = torch.Generator().manual_seed(case["seed"] + 1)
@@ -229,3 +232,12 @@ def test_every_optimizer_form_on_two_ranks(opt, impl, gather):
     """The grid the property draws from, each cell once (world 2, odd widths, clipping on)."""
     _check({"seed": 7, "world": 2, "gather": gather, "opt": opt, "impl": impl, "lr": 1e-2, "clip": 0.5,
             "micro": 2, "model": "mlp", "widths": [5, 3, 1], "dtype": torch.float32})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", ["transformer", "conv"])
+def test_persisted_small_parameters_parity(world, model):
+    """``persist_numel``: biases and norm weights stay replicated (averaged in one flat all-reduce)."""
+    _check({"seed": 3, "world": world, "gather": "overlapped", "opt": "adamw", "impl": "foreach", "lr": 1e-2,
+            "clip": 0.5, "micro": 2, "model": model, "vocab": 7, "channels": 4, "dtype": torch.float64,
+            "persist": 20})

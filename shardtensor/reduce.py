@@ -119,7 +119,8 @@ class GradSync:
         )
 
     def _start(self, grad: torch.Tensor, layout: ShardLayout, key: str) -> torch.Tensor:
-        pending = self.reducer.start(layout.pad(grad), key=key, group=layout.group)
+        with _comm.labelled(f"gradient reduction of {key!r}"):  # named if a rank dies before it completes
+            pending = self.reducer.start(layout.pad(grad), key=key, group=layout.group)
         self._pending.append(pending)
         while sum(p.nbytes() for p in self._pending if p.work is not None) > self.max_pending_bytes:
             next(p for p in self._pending if p.work is not None).finish()

@@ -102,14 +102,26 @@ class Gatherer:
 
     # ------------------------------------------------------------------ registration and step boundary
     def _budget(self) -> int:
-        """Prefetch budget: ``prefetch_bytes``, or by default twice the largest registered gather."""
-        if self.prefetch_bytes is not None:
-            return self.prefetch_bytes
-        return 2 * max((p._layout.gather_numel() * p._local.element_size() for p in self._params), default=0)
+        """Bytes that prefetched (and, for gradients, in-flight reduced) tensors may hold.
+
+        Default: twice the largest gathered parameter, enough to have the next big weight in flight while the
+        current one computes (FSDP2 prefetches one block).  Prefetching the whole model at once costs memory
+        and, on few cores, time: the communication threads then compete with compute.
+        """
+        if self.prefetch_bytes is None:
+            self.prefetch_bytes = 2 * max((p._layout.gather_numel() * self._gather_itemsize(p) for p in self._params),
+                                          default=0)
+        return self.prefetch_bytes
+
+    def _gather_itemsize(self, param: ShardedParam) -> int:
+        dtype = self.param_dtype if self.param_dtype is not None else param._local.dtype
+        return torch.empty((), dtype=dtype).element_size()
 
     def reduce_overlap_bytes(self) -> int:
-        """Bound on gradient reduce-scatters in flight (``GradSync.pending_budget``): the prefetch budget."""
-        return self._budget()
+        """Gradient reduce-scatters may stay in flight up to this many bytes (``GradSync.pending_budget``); 0 in
+        sequential mode or under memory pressure: each gradient is reduced before the next backward op, the
+        lowest-memory order."""
+        return self._budget() if self._overlapping() else 0
 
     def register(self, param: ShardedParam) -> None:
         self._index[id(param._local)] = len(self._params)
@@ -223,8 +235,7 @@ class Gatherer:
             if index in self._entries:
                 continue
             layout = self._params[index]._layout
-            nbytes = layout.gather_numel() * (self._params[index]._local.element_size() if self.param_dtype is None
-                                              else torch.empty((), dtype=self.param_dtype).element_size())
+            nbytes = layout.gather_numel() * self._gather_itemsize(self._params[index])
             if nbytes > budget:
                 break
             budget -= nbytes

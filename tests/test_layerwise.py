@@ -1,0 +1,210 @@
+"""Layer-wise placement (DESIGN.md section 9): whole parameters owned by one rank.
+
+- Training with ``placement="layerwise"`` equals single-process training on the concatenated batch (stock AdamW,
+  for-loop / foreach / fused, with clipping), and ``shardtensor.optim.Muon`` on layer-wise shards equals the
+  same Muon run unsharded (stock ``torch.optim.Muon`` + ``torch.optim.AdamW`` on a deepcopy), on 2 and 4 ranks.
+- The plan is balanced: no rank owns more than the largest parameter above the mean.
+
+Tolerance: the runs are in float64 and compared within 1e-5 (the acceptance bound); they land ~1e-14 apart.
+float64 matters for Muon: ``torch.optim.Muon`` orthogonalises in bfloat16, so two float32 runs whose mean
+gradients differ in the last bit (a reduce sums in another order than autograd does) can round an update element
+to neighbouring bfloat16 values.  In float64 the inputs to that cast agree to ~1e-16 and round alike.
+AdamW's eps is 1e-8, as in tests/test_parity.py (see the note there on eps and rounding noise).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from rank_pool import run_on_ranks
+
+
+class _Net(nn.Module):
+    """Embedding tied to the head, nn.MultiheadAttention (its packed in_proj weight is split: views), LayerNorm,
+    a 1-row weight, and a 0-d parameter (replicated, not placed)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.ln = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 3 * dim), nn.GELU(), nn.Linear(3 * dim, dim))
+        self.gate = nn.Linear(dim, 1)  # a 1-row weight
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        a, _ = self.attn(x, x, x, need_weights=False)
+        x = self.ln(x + a)
+        x = x + self.ff(x) * torch.sigmoid(self.gate(x))
+        return self.head(x) / self.temperature
+
+
+def _build(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return _Net().double()
+
+
+def _micro_batches(gen: torch.Generator, world: int):
+    return [(torch.randint(0, 11, (2, 5), generator=gen), torch.randint(0, 11, (2, 5), generator=gen))
+            for _ in range(world)]
+
+
+def _loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+
+
+def _muon_reference(model: nn.Module, lr: float, adamw_lr: float):
+    """The recipe written out with stock optimizers: Muon for 2-d non-embedding weights, AdamW for the rest."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    muon = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings]
+    rest = [p for p in model.parameters() if not (p.dim() == 2 and id(p) not in embeddings)]
+    return [torch.optim.Muon(muon, lr=lr), torch.optim.AdamW(rest, lr=adamw_lr, betas=(0.9, 0.95), eps=1e-8,
+                                                            weight_decay=0.0)]
+
+
+# ---------------------------------------------------------------------------------------------- per rank
+def train_layerwise(case: dict) -> dict:
+    """Runs on every rank: layer-wise training vs the unsharded reference; the max parameter difference."""
+    import shardtensor
+    from shardtensor import _comm
+    from shardtensor.layerwise import OwnerLayout
+    from shardtensor.optim import Muon
+
+    world, rank = _comm.world_size(), _comm.rank()
+    model = _build(case["seed"])
+    reference = copy.deepcopy(model)
+    shardtensor.shard_module(model, placement="layerwise", gather=case["gather"])
+    if case["opt"] == "muon":
+        opt = Muon(model, lr=case["lr"], adamw_lr=case["lr"])
+        ref_opts = _muon_reference(reference, case["lr"], case["lr"])
+    else:
+        flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[case["impl"]]
+        opt = torch.optim.AdamW(model.parameters(), lr=case["lr"], eps=1e-8, weight_decay=0.1, **flags)
+        ref_opts = [torch.optim.AdamW(reference.parameters(), lr=case["lr"], eps=1e-8, weight_decay=0.1, **flags)]
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    grad_rows_ok = True
+    accum = case.get("accum", 1)  # micro-batches per rank per step: gradients accumulate on the owner
+    for step in range(3):
+        micro = _micro_batches(gen, world * accum)
+        for idx, target in micro[rank * accum : (rank + 1) * accum]:
+            (_loss(model, idx, target) / accum).backward()
+        (sum(_loss(reference, *m) for m in micro) / len(micro)).backward()
+        if step == 0:  # gradients reduced to the owner: whole there, 0 rows elsewhere
+            for p in model.parameters():
+                if isinstance(p._layout if isinstance(p, shardtensor.ShardedParam) else None, OwnerLayout):
+                    expected = p.shape[0] if p._layout.owner == rank else 0
+                    grad_rows_ok &= p.grad.to_local().shape[0] == expected
+        if case["clip"]:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case["clip"])
+            assert abs(norm.item() - ref_norm.item()) <= 1e-10 * max(1.0, ref_norm.item()), (norm, ref_norm)
+        opt.step()
+        opt.zero_grad()
+        for ref_opt in ref_opts:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    expected = reference.state_dict()
+    assert full.keys() == expected.keys()
+    worst = max((full[k] - v).abs().max().item() for k, v in expected.items())
+    moved = max((v - _build(case["seed"]).state_dict()[k]).abs().max().item() for k, v in expected.items())
+    stats = shardtensor.gather_stats(model)
+    muon_owned = len(opt.muon.param_groups[0]["params"]) if case["opt"] == "muon" and opt.muon else 0
+    return {"worst": worst, "moved": moved, "grad_rows_ok": grad_rows_ok, "stats": stats, "muon_owned": muon_owned,
+            "plan": shardtensor.placement_plan(model)}
+
+
+def _check(case: dict) -> list[dict]:
+    results = run_on_ranks(case["world"], train_layerwise, case)
+    for r in results:
+        assert r["worst"] <= 1e-5, f"max |layerwise - unsharded| = {r['worst']:.3g} for {case}"
+        assert r["moved"] > 1e-3, "training did not move the parameters: the comparison proves nothing"
+        assert r["grad_rows_ok"], "a gradient was not whole on its owner / empty elsewhere"
+        assert r["plan"] == results[0]["plan"], "ranks computed different plans"
+    assert set(results[0]["plan"].values()) == set(range(case["world"])), results[0]["plan"]
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("impl,gather", [("forloop", "sequential"), ("foreach", "overlapped"), ("fused", "overlapped")])
+def test_layerwise_adamw_equals_single_process(world, impl, gather):
+    results = _check({"seed": 3, "world": world, "gather": gather, "opt": "adamw", "impl": impl, "lr": 1e-2,
+                      "clip": 0.5, "accum": 2 if impl == "forloop" else 1})
+    if gather == "overlapped":  # broadcasts were prefetched asynchronously, and used
+        assert all(r["stats"]["prefetch_hits"] > 0 and r["stats"]["mismatches"] == 0 for r in results), results
+    else:
+        assert all(r["stats"]["max_alive"] == 1 for r in results), results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("gather", ["sequential", "overlapped"])
+def test_muon_on_layerwise_shards_equals_unsharded_muon(world, gather):
+    results = _check({"seed": 5, "world": world, "gather": gather, "opt": "muon", "impl": None, "lr": 2e-2,
+                      "clip": None})
+    # Each Muon matrix is stepped by exactly one rank (state lives only on owners): ff.0, ff.2, gate, in_proj,
+    # out_proj weights.
+    assert sum(r["muon_owned"] for r in results) == 5, [r["muon_owned"] for r in results]
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 10**7), min_size=1, max_size=40), st.integers(1, 8))
+def test_plan_is_balanced(sizes, world):
+    from shardtensor.layerwise import plan_placement
+
+    owners = plan_placement(sizes, world)
+    assert owners == plan_placement(list(sizes), world), "the plan must be deterministic"
+    assert all(0 <= o < world for o in owners)
+    load = [0] * world
+    for size, owner in zip(sizes, owners):
+        load[owner] += size
+    mean = sum(sizes) / world
+    assert max(load) <= mean + max(sizes), (load, mean, max(sizes))
+    if sum(s > 0 for s in sizes) >= world:
+        assert min(load) > 0, f"a rank owns nothing although there are enough parameters: {load}"
+
+
+def test_plan_keeps_tied_parameters_one_parameter():
+    from shardtensor.layerwise import _placed_parameters
+
+    names = [n for n, _ in _placed_parameters(_Net())]
+    assert "emb.weight" in names and "head.weight" not in names
+    assert "temperature" not in names  # 0-d: replicated
+
+
+def test_owner_layout_rows():
+    from shardtensor.layerwise import OwnerLayout
+
+    shape = torch.Size((5, 3))
+    owner = OwnerLayout(shape, 5, rank=1, world=3, group=None, owner=1)
+    other = OwnerLayout(shape, 0, rank=2, world=3, group=None, owner=1)
+    assert (owner.local_shape(), owner.valid_rows, owner.row_start) == (shape, 5, 0)
+    assert (other.local_shape(), other.valid_rows, other.row_start) == (torch.Size((0, 3)), 0, 0)
+    full = torch.arange(15.0).reshape(5, 3)
+    assert torch.equal(owner.shard_of(full), full) and owner.shard_of(full).data_ptr() != full.data_ptr()
+    assert other.shard_of(full).shape == (0, 3)
+    assert owner.gather_numel() == 15 and owner != other
+
+
+# ---------------------------------------------------------------------------------------------- misuse
+def test_misuse_is_named():
+    import shardtensor
+    from shardtensor.optim import CompressedReducer, Muon
+
+    with pytest.raises(ValueError, match="placement='layerwise'"):
+        Muon(shardtensor.shard_module(_build(0)))  # dim-0 shards cannot be orthogonalised
+    with pytest.raises(ValueError, match="placement='rows'"):
+        shardtensor.shard_module(_build(0), placement="rows")
+    with pytest.raises(NotImplementedError, match="CompressedReducer"):
+        shardtensor.shard_module(_build(0), placement="layerwise", reducer=CompressedReducer())
+    with pytest.raises(ValueError, match="2-d"):
+        Muon(_build(0), use_muon=lambda name, p: True)

@@ -92,6 +92,7 @@ class Gatherer:
         self._is_recording = True
         self._pos = 0
         self._pressure = False  # auto mode: currently sequential because memory is low
+        self._communicates = False  # a world of one gathers by aliasing: nothing to prefetch or overlap
         # accounting, read by tests and benchmarks
         self.gathers = 0
         self.prefetches = 0
@@ -126,6 +127,7 @@ class Gatherer:
     def register(self, param: ShardedParam) -> None:
         self._index[id(param._local)] = len(self._params)
         self._params.append(param)
+        self._communicates = self._communicates or param._layout.world > 1
 
     def step_begin(self) -> None:
         """Called at the root module's forward: a new forward+backward sequence starts."""
@@ -209,7 +211,7 @@ class Gatherer:
         return (not self._is_recording) and self._pos < len(self._order) and self._order[self._pos] == index
 
     def _overlapping(self) -> bool:
-        if self.mode is GatherMode.SEQUENTIAL:
+        if self.mode is GatherMode.SEQUENTIAL or not self._communicates:
             return False
         if self.mode is GatherMode.AUTO:
             device = self._params[0]._local.device if self._params else torch.device("cpu")

@@ -84,7 +84,10 @@ def test_overlapped_prefetches_in_recorded_order(world):
         assert [name.split(".")[0] for name in r["order"][:6]] == ["a", "a", "b", "b", "c", "c"], r["order"]
         assert "c.weight" in r["order"][6:], "backward gathers are recorded too"
         assert r["hits_first"] == 0  # nothing to prefetch while recording
-        assert r["hits_replay"] > 0
+        if world > 1:
+            assert r["hits_replay"] > 0
+        else:  # a world of one gathers by aliasing the shard: nothing to prefetch
+            assert r["hits_replay"] == 0
         assert r["mismatches"] == 0
 
 

@@ -219,6 +219,9 @@ _EXTRA_LOCAL_OPS = {
 
 
 def _local_or_compute(func, args, kwargs):
+    out = _local_fast(func, args, kwargs)
+    if out is not _NO_FAST_PATH:
+        return out
     params = _params_in(args, kwargs)
     written = _written_params(func, args, kwargs)
     allow_scalars = bool(written) or not torch.is_grad_enabled()
@@ -230,6 +233,40 @@ def _local_or_compute(func, args, kwargs):
     if written:
         _refuse(func, args, kwargs, "its operands are not shards of one layout (or include a full plain tensor)")
     return compute(func, args, kwargs)
+
+
+_NO_FAST_PATH = object()
+
+
+def _local_fast(func, args, kwargs):
+    """The common shape of an optimizer's pointwise op (``exp_avg.lerp_(grad, 0.1)``): positional shards of
+    one placement and Python scalars, no tensor keywords.  One pass instead of the general scans; anything else
+    (plain tensors, lists, ``out=``) returns ``_NO_FAST_PATH`` for the general rule."""
+    first = None
+    locals_ = []
+    for x in args:
+        if isinstance(x, ShardedParam):
+            if first is None:
+                if x._views and not _chain_is_bijective(x._views):
+                    return _NO_FAST_PATH
+                first = x
+            elif not (x._layout is first._layout or x._layout == first._layout) or x._views != first._views:
+                return _NO_FAST_PATH
+            locals_.append(x._local)
+        elif isinstance(x, (torch.Tensor, list, tuple)):
+            return _NO_FAST_PATH
+        else:
+            locals_.append(x)
+    if first is None:
+        return _NO_FAST_PATH
+    for value in kwargs.values():
+        if isinstance(value, (torch.Tensor, list, tuple)):
+            return _NO_FAST_PATH
+    written = _written_args(func)
+    if written and (written != ((0, "self"),) or args[0] is not first):
+        return _NO_FAST_PATH
+    out = func(*locals_, **kwargs)
+    return args[0] if written else _wrap_like(first, out)
 
 
 @implements(aten.copy_.default)

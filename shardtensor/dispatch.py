@@ -447,10 +447,16 @@ def _foreach_norm(func, args, kwargs):
                     else o for t, o in zip(tensors, out)]
         partials = torch.stack([_p_norm_partial(_valid(t) if dtype is None else _valid(t).to(dtype), ord).float()
                                 for _, t in sharded])
-        groups = {id(t._layout.group): t._layout.group for _, t in sharded}
-        if len(groups) != 1:
-            raise NotImplementedError("_foreach_norm over ShardedParams of different process groups")
-        _comm.all_reduce(partials, next(iter(groups.values())), op=_norm_reduce_op(ord))
+        groups: dict = {}  # one all-reduce per process group (models sharded over several groups)
+        for k, (_, t) in enumerate(sharded):
+            groups.setdefault(id(t._layout.group), (t._layout.group, []))[1].append(k)
+        for group, members in groups.values():
+            if len(groups) == 1:
+                _comm.all_reduce(partials, group, op=_norm_reduce_op(ord))
+            else:
+                part = partials[members].clone()
+                _comm.all_reduce(part, group, op=_norm_reduce_op(ord))
+                partials[members] = part
         finished = _p_norm_finish(partials, ord)
         for k, (i, t) in enumerate(sharded):
             out[i] = finished[k].to(dtype or t.dtype)

@@ -149,3 +149,23 @@ def test_ops_on_a_sharded_tensor_equal_ops_on_the_plain_tensor(rows, cols, data)
     got, want = ops[name](p), ops[name](full)
     got = got.full_tensor() if isinstance(got, ShardedParam) else got
     torch.testing.assert_close(got, want)
+
+
+def norm_over_two_groups() -> tuple[float, float]:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(5, 3), nn.Linear(3, 7)
+    expected = torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in [*a.parameters(), *b.parameters()]]))
+    other_group = dist.new_group(list(range(dist.get_world_size())))  # same ranks, another communicator
+    shardtensor.shard_module(a)
+    shardtensor.shard_module(b, group=other_group)
+    params = [*a.parameters(), *b.parameters()]
+    with torch.no_grad():
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params, 2.0)))
+    return total.item(), expected.item()
+
+
+def test_foreach_norm_over_models_sharded_on_different_groups():
+    for total, expected in run_on_ranks(2, norm_over_two_groups):
+        assert abs(total - expected) < 1e-5 * expected

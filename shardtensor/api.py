@@ -134,7 +134,7 @@ def shard_module(
                 param._shardtensor_sharded_as = fqn  # so a second model sharing `param` is refused
             owners.append((submodule, name, new))
 
-    handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype, owners),
+    handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync),
                                                     with_kwargs=True))
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
     if offload is not None:
@@ -147,7 +147,8 @@ def shard_module(
     return module
 
 
-def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = ()):
+def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = (),
+                     grad_sync: Optional[GradSync] = None):
     """Root forward pre-hook: a new gather sequence starts; under mixed precision, floating inputs are cast to
     ``param_dtype`` so they meet the gathered (cast) weights in one dtype (FSDP2's ``cast_forward_inputs``)."""
 
@@ -156,6 +157,8 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
 
     def hook(module, args, kwargs):
         _check_not_moved(owners, gatherer)
+        if grad_sync is not None:
+            grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
         gatherer.step_begin()
         if param_dtype is None:
             return None

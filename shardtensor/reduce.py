@@ -98,7 +98,6 @@ class GradSync:
         self._pending: list[PendingReduce] = []
         self._replicated: list[tuple[torch.Tensor, object]] = []  # (parameter, group): .grad averaged at the end
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
-        self._callback_queued = False
 
     # [Note: overlapped gradient reduction]
     # The first gradient of a parameter in a backward is reduce-scattered asynchronously: the hook returns a
@@ -129,7 +128,7 @@ class GradSync:
 
     def finish_pending(self) -> None:
         """Wait for every issued reduce-scatter (end of backward)."""
-        pending, self._pending, self._callback_queued = self._pending, [], False
+        pending, self._pending = self._pending, []
         for p in pending:
             p.finish()
         self._finish_replicated()
@@ -176,9 +175,10 @@ class GradSync:
         return hook
 
     def _queue_finish(self) -> None:
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
-            self._callback_queued = True
+        # One callback per issued reduction, not one per GradSync: a flag would go stale if a backward failed
+        # before its callbacks ran, and the next backward's reductions would then never be finished.  Extra
+        # callbacks find nothing pending and return.
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
 
     def _finish_replicated(self) -> None:
         """One all-reduce per (group, dtype) for every replicated gradient of this backward."""

@@ -148,3 +148,36 @@ def test_auto_mode_stops_prefetching_under_memory_pressure():
     for plenty, under_pressure in run_on_ranks(2, auto_mode_switch):
         assert plenty > 0
         assert under_pressure == 0
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def gradients_after_a_failed_backward() -> float:
+    """A backward that raises after some reductions were issued must not leave them unfinished (or finish
+    them into the next step's gradients)."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), gather="overlapped")
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        model[1](_FailingBackward.apply(model[0](x))).sum().backward()
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    return max((p.grad.full_tensor() - q.grad).abs().max().item()
+               for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_failed_backward_leaves_no_half_reduced_gradients():
+    assert max(run_on_ranks(2, gradients_after_a_failed_backward)) < 1e-6

@@ -148,6 +148,18 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t._version)
 
 
+def _hypers(slots) -> list:
+    """Each slot's hyper-parameters, read once per param group (hot: every step, every parameter)."""
+    per_group: dict = {}
+    out = []
+    for s in slots:
+        hp = per_group.get(id(s.group))
+        if hp is None:
+            hp = per_group[id(s.group)] = hyper_of(s.group)
+        out.append(hp)
+    return out
+
+
 class CPUAdam(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with its state in CPU memory; see the module docstring.
 
@@ -459,7 +471,7 @@ class CPUAdam(torch.optim.Optimizer):
     def _step_batched(self, slots: list[_Slot], grads: list[torch.Tensor]) -> list[Hyper]:
         """Step ``slots`` with ``grads``, one fused call per param group; returns each slot's hyper-parameters."""
         self._wait_write_back()
-        hps = [hyper_of(s.group) for s in slots]
+        hps = _hypers(slots)
         by_group: dict[int, list[int]] = {}
         for i, s in enumerate(slots):
             by_group.setdefault(id(s.group), []).append(i)
@@ -562,7 +574,7 @@ class CPUAdam(torch.optim.Optimizer):
             self._step_batched(to_step, step_grads)
             self._write_back(slots)  # committed speculations too: they updated only the host master
             used = [grads[id(s)] for s in slots]
-            self._last = _LastStep(slots, used, [hyper_of(s.group) for s in slots], [_key(g) for g in used])
+            self._last = _LastStep(slots, used, _hypers(slots), [_key(g) for g in used])
         else:
             stats.skipped_steps += 1
             self._last = None

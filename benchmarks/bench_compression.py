@@ -27,11 +27,12 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import socket
 import sys
 import time
 
 import torch
+
+from shardtensor.launch import free_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -154,16 +155,10 @@ def _train(rank: int, world: int, port: int, reducer_name: str, args: dict, outb
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(reducer_name: str, world: int, args: dict) -> dict:
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_train, args=(r, world, port, reducer_name, args, outbox)) for r in range(world)]
     for p in procs:
         p.start()

@@ -31,12 +31,13 @@ import os
 import platform
 import resource
 import shlex
-import socket
 import statistics
 import sys
 import time
 
 import torch
+
+from shardtensor.launch import free_port
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
@@ -223,12 +224,6 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(config: str, args: argparse.Namespace) -> list[dict]:
     """A fresh group of ``args.world`` processes for one configuration; their per-rank figures."""
     import torch.multiprocessing as mp
@@ -237,7 +232,7 @@ def spawn(config: str, args: argparse.Namespace) -> list[dict]:
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, config, args, queue)) for r in range(args.world)]
     for p in procs:
         p.start()

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import sys
 import time
 
 import torch
+
+from .launch import free_port
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -100,18 +101,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, sharded:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(args: argparse.Namespace, sharded: bool) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, sharded, queue)) for r in range(args.nproc)]
     for p in procs:
         p.start()

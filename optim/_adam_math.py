@@ -128,7 +128,7 @@ def adamw_rollback_(
     for i in first:
         exp_avgs[i].zero_()
         exp_avg_sqs[i].zero_()
-    torch._foreach_sub_(steps, 1.0)
+    torch._foreach_add_(steps, torch.ones(()), alpha=-1.0)
 
 
 @torch.no_grad()

@@ -17,7 +17,6 @@ ShardedParam (only legal under ``no_grad`` for leaves); otherwise the op gathers
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
@@ -47,10 +46,15 @@ def implements(ops):
 
 
 def dispatch_op(func, args: tuple, kwargs: dict):
-    return _rule_for(func)(func, args, kwargs)
+    rule = _RULE_BY_ID.get(id(func))  # keyed by id: OpOverload.__hash__ is a Python method (hot path)
+    if rule is None:
+        rule = _RULE_BY_ID[id(func)] = _rule_for(func)
+    return rule(func, args, kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+_RULE_BY_ID: dict[int, Callable] = {}  # OpOverloads are process-lifetime singletons, so ids are stable
+
+
 def _rule_for(func) -> Callable:
     """The rule of ``func``: its table entry, else by family (foreach / fused optimizer / pointwise), else compute."""
     rule = _TABLE.get(func) or _TABLE.get(func.overloadpacket)
@@ -100,12 +104,18 @@ def _leaves(args, kwargs):
                 yield x
 
 
-@functools.lru_cache(maxsize=None)
 def _written_args(func) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments ``func`` writes into (in-place self, out=...)."""
-    return tuple(
-        (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-    )
+    written = _WRITTEN_BY_ID.get(id(func))
+    if written is None:
+        written = _WRITTEN_BY_ID[id(func)] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return written
+
+
+_WRITTEN_BY_ID: dict[int, tuple] = {}
 
 
 def _written_params(func, args, kwargs) -> list[ShardedParam]:
@@ -164,6 +174,9 @@ def _to_local(x):
 
 
 def _wrap_like(template: ShardedParam, out):
+    if type(out) is torch.Tensor and out.shape == template._local.shape:  # the common case, without the scans
+        return ShardedParam(out, template._layout, template._views, None, template._name)
+
     def wrap(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, ShardedParam) and t.shape[:1] == template._local.shape[:1] \
                 and t.shape[1:] == template._layout.shape[1:]:
@@ -579,6 +592,8 @@ def _unalias(out, fulls: dict[int, torch.Tensor]):
 # Decompositions that keep sequential mode at one gathered parameter per op: the bias (or norm weight) is
 # gathered after the weight is released.  Only used when more than one ShardedParam meets the op.
 def _one_param_at_a_time(params: list[ShardedParam]) -> bool:
+    if len(params) < 2 or params[0]._layout.world == 1:  # world 1 gathers nothing: the shard is the tensor
+        return False
     if len({id(p._local) for p in params}) < 2:
         return False
     gatherer = params[0]._gatherer

@@ -85,6 +85,20 @@ class PendingReduce:
         return self.shard
 
 
+# A tensor that autograd passes to a tensor hook is referenced by the engine's input buffer and by the hook's
+# Python object; a higher count means another node of the graph (or a view's base link) still holds it.
+_HOOK_USE_COUNT = 2
+
+
+def _only_autograd_holds(grad: torch.Tensor) -> bool:
+    """AccumulateGrad's test for stealing a gradient instead of copying it (``use_count`` of the tensor, and of a
+    view's base), so a gradient we keep can alias nothing that a plain PyTorch ``.grad`` could not alias.  Where
+    the engine passes one gradient to two leaves (``p + q``), the first to arrive sees the other's reference."""
+    if grad._use_count() > _HOOK_USE_COUNT:
+        return False
+    return not grad._is_view() or grad._base._use_count() <= _HOOK_USE_COUNT
+
+
 class GradSync:
     """Per-module switch and reducer shared by the gradient hooks of one ``shard_module`` call."""
 
@@ -117,6 +131,11 @@ class GradSync:
             and self.reducer.can_start(grad, layout.group)
         )
 
+    def _is_identity(self, layout: ShardLayout, grad: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether reducing ``grad`` returns it unchanged: world 1, dim-0 layout, exact reducer, no dtype change."""
+        return (type(layout) is ShardLayout and type(self.reducer) is ExactReducer and grad.dtype == dtype
+                and self.reducer.reduce_dtype in (None, dtype))
+
     def _start(self, grad: torch.Tensor, layout: ShardLayout, key: str) -> torch.Tensor:
         with _comm.labelled(f"gradient reduction of {key!r}"):  # named if a rank dies before it completes
             pending = self.reducer.start(layout.pad(grad), key=key, group=layout.group)
@@ -140,11 +159,18 @@ class GradSync:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if isinstance(grad, ShardedParam):  # a gradient computed shard-wise is already this rank's
                 return grad
+            owned = _only_autograd_holds(grad)
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
                 return ShardedParam(self._defer(key, grad).new_zeros(layout.local_shape(), dtype=dtype),
                                     layout, (), None, key)
-            grad = self._with_deferred(key, grad)
+            summed = self._with_deferred(key, grad)
+            owned, grad = owned or summed is not grad, summed
+            if layout.world == 1 and self._is_identity(layout, grad, dtype):
+                # The mean over one rank is the gradient itself: keep it, as AccumulateGrad would, unless someone
+                # else holds it (then a copy, as AccumulateGrad makes).
+                return ShardedParam(grad if owned and grad.is_contiguous() else grad.clone(
+                    memory_format=torch.contiguous_format), layout, (), None, key)
             if grad.dtype == dtype and self._can_overlap(param, layout, grad):
                 return ShardedParam(self._start(grad, layout, key), layout, (), None, key)
             shard = layout.reduce_grad(grad, self.reducer, key)

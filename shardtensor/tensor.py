@@ -314,10 +314,8 @@ class ShardedParam(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch_op  # import cycle: dispatch needs ShardedParam
-
         _compile.break_graph_if_traced(func, args)  # torch.compile: see [Note: torch.compile] in _compile.py
-        return dispatch_op(func, args, kwargs or {})
+        return (_dispatch_op or _bind_dispatch())(func, args, kwargs or {})
 
     # torch.compile / torch.export see through the wrapper (DTensor does the same).
     def __tensor_flatten__(self):
@@ -327,6 +325,17 @@ class ShardedParam(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         layout, views, name = ctx
         return ShardedParam(inner_tensors["_local"], layout, views, None, name)
+
+
+_dispatch_op: Any = None  # dispatch.dispatch_op, bound on first use (import cycle: dispatch needs ShardedParam)
+
+
+def _bind_dispatch():
+    global _dispatch_op
+    from .dispatch import dispatch_op
+
+    _dispatch_op = dispatch_op
+    return dispatch_op
 
 
 _compile.skip_in_dynamo(ShardedParam.__torch_dispatch__)  # eager ops between compiled graphs are not re-traced

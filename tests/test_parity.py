@@ -241,3 +241,51 @@ def test_persisted_small_parameters_parity(world, model):
     _check({"seed": 3, "world": world, "gather": "overlapped", "opt": "adamw", "impl": "foreach", "lr": 1e-2,
             "clip": 0.5, "micro": 2, "model": model, "vocab": 7, "channels": 4, "dtype": torch.float64,
             "persist": 20})
+
+
+def _world1_gradient_aliasing() -> dict:
+    """At world 1 the hook keeps autograd's gradient instead of copying it, under AccumulateGrad's rule."""
+    import shardtensor
+
+    made = []
+
+    class Double(torch.autograd.Function):  # its backward's output is a fresh tensor only the engine holds
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            out = g * 2.0
+            made.append(out.data_ptr())
+            return out
+
+    torch.manual_seed(0)
+    layer = shardtensor.shard_module(nn.Linear(5, 4))
+    Double.apply(layer.weight).square().sum().backward()
+    fresh_kept = made == [layer.weight.grad.to_local().data_ptr()]
+    # One gradient tensor reaching two leaves (``p.t() + q`` and ``p + r``, both orders): the first to arrive
+    # sees the other's reference and copies, so no two .grads share memory, and the values are the plain ones.
+    out = {"fresh_kept": fresh_kept, "shared": [], "values_equal": True}
+    for order in range(2):
+        params = nn.ParameterDict({"p": nn.Parameter(torch.randn(3, 4)), "q": nn.Parameter(torch.randn(4, 3)),
+                                   "r": nn.Parameter(torch.randn(4, 3))})
+        plain = copy.deepcopy(params)
+        shardtensor.shard_module(params)
+        for ps in (params, plain):
+            p, q, r = ps["p"], ps["q"], ps["r"]
+            y = (p.t() + q) if order == 0 else (q + p.t())
+            ((y + r) * torch.arange(12.0).view(4, 3)).sum().backward()
+        ptrs = [params[k].grad.to_local().untyped_storage().data_ptr() for k in "pqr"]
+        out["shared"].append(len(set(ptrs)) < 3)
+        for k in "pqr":
+            params[k].grad.to_local().mul_(2.0)  # would double another .grad if memory were shared
+        out["values_equal"] &= all(torch.equal(params[k].grad.to_local(), 2 * plain[k].grad) for k in "pqr")
+    return out
+
+
+def test_world1_gradients_are_not_copied_and_never_shared():
+    r = run_on_ranks(1, _world1_gradient_aliasing)[0]
+    assert r["fresh_kept"], r
+    assert r["shared"] == [False, False], r
+    assert r["values_equal"], r

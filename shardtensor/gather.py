@@ -208,7 +208,11 @@ class Gatherer:
         self._is_recording = True
 
     def _needed_next(self, index: int) -> bool:
-        return (not self._is_recording) and self._pos < len(self._order) and self._order[self._pos] == index
+        """Keep a released buffer for the next op that reads it (overlapped mode only: sequential mode holds one
+        buffer per op, and the next use can be far, e.g. the tied embedding from the last op of forward across
+        the loss to the first op of backward, where it would sit on the step's memory peak)."""
+        return (not self._is_recording) and self._pos < len(self._order) and self._order[self._pos] == index \
+            and self._overlapping()
 
     def _overlapping(self) -> bool:
         if self.mode is GatherMode.SEQUENTIAL or not self._communicates:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import math
 import os
 import pickle
 from contextvars import ContextVar
@@ -172,6 +173,53 @@ class CollectiveResult(NamedTuple):
     work: object  # dist.Work or _DoneWork
 
 
+class _WorkList:
+    """Several handles waited on as one (a gather made of one broadcast per rank)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self.works:
+            work.wait(timeout=timeout) if timeout is not None else work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+# [Note: gloo's tensor collectives copy]
+# gloo implements ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` through a temporary as large as the
+# full tensor (measured on torch 2.13, 2 and 4 ranks, a 6 MiB tensor: +6 MiB transient for the all-gather,
+# +7.9 MiB for the reduce-scatter), and that temporary lands on the step's memory peak.  One broadcast per
+# rank, each from its shard's own rows of the output buffer, writes in place (0 MiB transient) and is faster
+# (2 ranks: 4.6 vs 11.4 ms; 4 ranks: 11.6 vs 25.6 ms).  So CPU tensors on a gloo group gather by broadcasts;
+# NCCL keeps its native all-gather.
+_gloo_groups: dict = {}
+
+
+def _gathers_by_broadcast(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+    if tensor.device.type != "cpu":
+        return False
+    key = id(group)
+    uses_gloo = _gloo_groups.get(key)
+    if uses_gloo is None:
+        uses_gloo = _gloo_groups[key] = "gloo" in str(dist.get_backend(group))
+    return uses_gloo
+
+
+def _rows_alias(buffer: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows ``[start, start + rows)`` of a contiguous buffer, sharing its storage without being a view of it:
+    gloo's worker thread releases a finished work a moment after ``wait()`` returns, and a view would keep the
+    buffer's tensor (and so the caller's Python object) alive until then."""
+    row_numel = math.prod(buffer.shape[1:])
+    alias = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    return alias.set_(buffer.untyped_storage(), buffer.storage_offset() + start * row_numel,
+                      (rows, *buffer.shape[1:]))
+
+
 @torch.no_grad()
 def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
                     label: str = "") -> CollectiveResult:
@@ -184,6 +232,13 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
         return CollectiveResult(local, _DoneWork())
     local = local.contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+    if _gathers_by_broadcast(local, group):  # see [Note: gloo's tensor collectives copy]
+        rows = local.shape[0]
+        out[rank(group) * rows:(rank(group) + 1) * rows].copy_(local)
+        works = [dist.broadcast(_rows_alias(out, r * rows, rows), src=global_rank_of(group, r), group=group,
+                                async_op=True) for r in range(world)]
+        return CollectiveResult(out, _issued(_WorkList(works), "all-gather (broadcasts)", local, group, async_op,
+                                             label))
     if _all_gather_single is not None:
         work = _all_gather_single(out, local, group=group, async_op=True)
     else:  # torch < 2.13

@@ -140,6 +140,7 @@ class Gatherer:
             pass  # a shorter step (eval forward, no backward): the order still stands
         self._recording = []
         self._pos = 0
+        self._alive_refs = [r for r in self._alive_refs if r() is not None]  # bounded over a long run
 
     @property
     def recorded_order(self) -> list[str]:

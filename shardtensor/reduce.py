@@ -171,9 +171,10 @@ class GradSync:
                 # else holds it (then a copy, as AccumulateGrad makes).
                 return ShardedParam(grad if owned and grad.is_contiguous() else grad.clone(
                     memory_format=torch.contiguous_format), layout, (), None, key)
-            if grad.dtype == dtype and self._can_overlap(param, layout, grad):
-                return ShardedParam(self._start(grad, layout, key), layout, (), None, key)
-            shard = layout.reduce_grad(grad, self.reducer, key)
+            with _comm.inputs_may_be_overwritten(owned):  # nobody else reads this gradient after us
+                if grad.dtype == dtype and self._can_overlap(param, layout, grad):
+                    return ShardedParam(self._start(grad, layout, key), layout, (), None, key)
+                shard = layout.reduce_grad(grad, self.reducer, key)
             return ShardedParam(shard.to(dtype), layout, (), None, key)
 
         return hook

@@ -192,3 +192,22 @@ def gradients_after_a_failed_backward() -> float:
 
 def test_a_failed_backward_leaves_no_half_reduced_gradients():
     assert max(run_on_ranks(2, gradients_after_a_failed_backward)) < 1e-6
+
+
+def gatherer_bookkeeping_sizes(steps: int) -> int:
+    import shardtensor
+
+    model = shardtensor.shard_module(_gpt(), gather="overlapped")
+    for i in range(steps):
+        x, y = _tokens(i)
+        model(x, y).backward()
+    gc.collect()
+    return len(model._shardtensor.gatherer._alive_refs)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gather_bookkeeping_does_not_grow_with_steps(world):
+    """The lifetime accounting keeps one weak reference per gather; a long run must not accumulate them."""
+    short = max(run_on_ranks(world, gatherer_bookkeeping_sizes, 2))
+    long = max(run_on_ranks(world, gatherer_bookkeeping_sizes, 12))
+    assert long <= short, (short, long)

@@ -289,3 +289,29 @@ def test_world1_gradients_are_not_copied_and_never_shared():
     assert r["fresh_kept"], r
     assert r["shared"] == [False, False], r
     assert r["values_equal"], r
+
+
+def _shared_gradient_on_two_ranks() -> float:
+    """One gradient tensor reaching several leaves (two ShardedParams and a plain leaf, both orders): gloo's
+    in-place reduce may use a gradient as scratch only when nobody else holds it."""
+    import shardtensor
+    from shardtensor import _comm
+
+    worst = 0.0
+    weights = [torch.arange(30.0).view(6, 5) * (k + 1) for k in range(2)]  # each rank's loss weights
+    mean = (weights[0] + weights[1]) / 2
+    for order in range(2):
+        torch.manual_seed(order)
+        module = shardtensor.shard_module(nn.ParameterDict({k: nn.Parameter(torch.randn(6, 5)) for k in "pq"}))
+        p, q = module["p"], module["q"]
+        r = torch.randn(6, 5, requires_grad=True)  # a plain leaf beside them keeps its local gradient
+        y = (p + q + r) if order == 0 else (r + q + p)
+        (y * weights[_comm.rank()]).sum().backward()
+        worst = max(worst, (p.grad.full_tensor() - mean).abs().max().item(),
+                    (q.grad.full_tensor() - mean).abs().max().item(),
+                    (r.grad - weights[_comm.rank()]).abs().max().item())
+    return worst
+
+
+def test_shared_gradient_is_not_overwritten_by_the_reduction():
+    assert max(run_on_ranks(2, _shared_gradient_on_two_ranks)) < 1e-6

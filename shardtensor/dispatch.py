@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _comm
+from . import _comm, _compile
 from .tensor import ShardedParam, ViewStep, apply_views
 
 aten = torch.ops.aten
@@ -46,13 +46,21 @@ def implements(ops):
 
 
 def dispatch_op(func, args: tuple, kwargs: dict):
-    rule = _RULE_BY_ID.get(id(func))  # keyed by id: OpOverload.__hash__ is a Python method (hot path)
-    if rule is None:
-        rule = _RULE_BY_ID[id(func)] = _rule_for(func)
+    """Run ``func`` by its rule.  The hot path (a pointwise op on shards: every optimizer step runs hundreds) is
+    tried first, with as little Python as possible; everything else starts with the torch.compile check."""
+    entry = _RULE_BY_ID.get(id(func))  # keyed by id: OpOverload.__hash__ is a Python method
+    if entry is None:
+        entry = _RULE_BY_ID[id(func)] = (_rule_for(func), _written_args(func))
+    rule, written = entry
+    if rule is _local_or_compute:
+        out = _local_fast(func, args, kwargs, written)
+        if out is not _NO_FAST_PATH:
+            return out
+    _compile.break_graph_if_traced(func, args)  # torch.compile: see [Note: torch.compile] in _compile.py
     return rule(func, args, kwargs)
 
 
-_RULE_BY_ID: dict[int, Callable] = {}  # OpOverloads are process-lifetime singletons, so ids are stable
+_RULE_BY_ID: dict[int, tuple] = {}  # id(OpOverload) -> (rule, written args); OpOverloads live as long as the process
 
 
 def _rule_for(func) -> Callable:
@@ -232,9 +240,6 @@ _EXTRA_LOCAL_OPS = {
 
 
 def _local_or_compute(func, args, kwargs):
-    out = _local_fast(func, args, kwargs)
-    if out is not _NO_FAST_PATH:
-        return out
     params = _params_in(args, kwargs)
     written = _written_params(func, args, kwargs)
     allow_scalars = bool(written) or not torch.is_grad_enabled()
@@ -251,31 +256,38 @@ def _local_or_compute(func, args, kwargs):
 _NO_FAST_PATH = object()
 
 
-def _local_fast(func, args, kwargs):
+def _local_fast(func, args, kwargs, written):
     """The common shape of an optimizer's pointwise op (``exp_avg.lerp_(grad, 0.1)``): positional shards of
-    one placement and Python scalars, no tensor keywords.  One pass instead of the general scans; anything else
-    (plain tensors, lists, ``out=``) returns ``_NO_FAST_PATH`` for the general rule."""
+    one placement with plain local tensors, and Python scalars, no tensor keywords.  One pass instead of the
+    general scans; anything else (plain tensors, lists, ``out=``, fake shards under torch.compile) returns
+    ``_NO_FAST_PATH`` for the general rule."""
     first = None
     locals_ = []
     for x in args:
-        if isinstance(x, ShardedParam):
+        kind = type(x)
+        if kind is ShardedParam:
+            local = x._local
+            if type(local) is not torch.Tensor:  # FakeTensor while Dynamo traces, or another subclass
+                return _NO_FAST_PATH
             if first is None:
                 if x._views and not _chain_is_bijective(x._views):
                     return _NO_FAST_PATH
                 first = x
             elif not (x._layout is first._layout or x._layout == first._layout) or x._views != first._views:
                 return _NO_FAST_PATH
-            locals_.append(x._local)
+            locals_.append(local)
+        elif kind is float or kind is int or kind is bool or x is None:
+            locals_.append(x)
         elif isinstance(x, (torch.Tensor, list, tuple)):
             return _NO_FAST_PATH
         else:
             locals_.append(x)
     if first is None:
         return _NO_FAST_PATH
-    for value in kwargs.values():
-        if isinstance(value, (torch.Tensor, list, tuple)):
-            return _NO_FAST_PATH
-    written = _written_args(func)
+    if kwargs:
+        for value in kwargs.values():
+            if isinstance(value, (torch.Tensor, list, tuple)):
+                return _NO_FAST_PATH
     if written and (written != ((0, "self"),) or args[0] is not first):
         return _NO_FAST_PATH
     out = func(*locals_, **kwargs)

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _comm
-from .tensor import ShardedParam, apply_views
+from .tensor import ShardedParam, ShardLayout, apply_views
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Gatherer:
         self.free_memory_fn = free_memory_fn or _free_memory_bytes
         # Where a gather reads the shard from: ``param._local`` unless an offload (``shardtensor.offload.
         # CPUOffload``) homes shards elsewhere and hands over a device copy, prefetched in the recorded order.
-        self.shard_source: Optional[Callable[[int, ShardedParam], torch.Tensor]] = None
+        self._shard_source: Optional[Callable[[int, ShardedParam], torch.Tensor]] = None
         self._params: list[ShardedParam] = []  # registered base parameters, by index
         self._index: dict[int, int] = {}  # id(param._local) -> index
         self._entries: dict[int, _Entry] = {}  # index -> gathered / in-flight buffer
@@ -93,6 +93,7 @@ class Gatherer:
         self._pos = 0
         self._pressure = False  # auto mode: currently sequential because memory is low
         self._communicates = False  # a world of one gathers by aliasing: nothing to prefetch or overlap
+        self._aliases_shards = False  # ... and with nothing to cast or fetch, acquire() returns the shard itself
         # accounting, read by tests and benchmarks
         self.gathers = 0
         self.prefetches = 0
@@ -128,6 +129,21 @@ class Gatherer:
         self._index[id(param._local)] = len(self._params)
         self._params.append(param)
         self._communicates = self._communicates or param._layout.world > 1
+        self._aliases_shards = self._plain_world_of_one()
+
+    @property
+    def shard_source(self) -> Optional[Callable[[int, ShardedParam], torch.Tensor]]:
+        return self._shard_source
+
+    @shard_source.setter
+    def shard_source(self, fn: Optional[Callable[[int, ShardedParam], torch.Tensor]]) -> None:
+        self._shard_source = fn
+        self._aliases_shards = self._plain_world_of_one()
+
+    def _plain_world_of_one(self) -> bool:
+        """Every parameter's full tensor is its shard: world 1, dim-0 layouts, no dtype cast, shards in place."""
+        return (not self._communicates and self._shard_source is None and self.param_dtype is None
+                and all(type(p._layout) is ShardLayout for p in self._params))
 
     def step_begin(self) -> None:
         """Called at the root module's forward: a new forward+backward sequence starts."""
@@ -156,6 +172,12 @@ class Gatherer:
     # ------------------------------------------------------------------ acquire / release
     def acquire(self, param: ShardedParam) -> torch.Tensor:
         """The full base tensor of ``param`` (views not applied); pair with ``release``."""
+        if self._aliases_shards:  # a world of one: the shard is the full tensor; keep only the order and count
+            index = self._index.get(id(param._local))
+            if index is not None:
+                self._advance(index)
+            self.gathers += 1
+            return param._local
         index = self._index.get(id(param._local))
         if index is None:  # not a registered parameter (e.g. a derived ShardedParam): plain on-demand gather
             return _gather_now(param._local, param._layout)
@@ -177,6 +199,8 @@ class Gatherer:
         return entry.full
 
     def release(self, param: ShardedParam) -> None:
+        if self._aliases_shards:
+            return
         index = self._index.get(id(param._local))
         if index is None:
             return

@@ -314,8 +314,7 @@ class ShardedParam(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        _compile.break_graph_if_traced(func, args)  # torch.compile: see [Note: torch.compile] in _compile.py
-        return (_dispatch_op or _bind_dispatch())(func, args, kwargs or {})
+        return (_dispatch_op or _bind_dispatch())(func, args, kwargs or {})  # (the torch.compile check is there)
 
     # torch.compile / torch.export see through the wrapper (DTensor does the same).
     def __tensor_flatten__(self):

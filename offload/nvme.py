@@ -265,6 +265,11 @@ class NVMeCPUAdam(CPUAdam):
         self.offload = offload
         super().__init__(params, **kwargs)
 
+    def _empty_host(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # Pageable, resizable storage: the swap layer frees a swapped-out tensor's storage (resize_(0)), which
+        # neither pinned memory nor CPUAdam's huge-page mappings allow.
+        return torch.empty(shape, dtype=dtype)
+
     # CPUAdam creates a slot's state lazily here; room is made first so the new state lands within budget.
     def _slot(self, p: torch.Tensor):
         slot = self._slots.get(id(p))

@@ -88,14 +88,15 @@ class PendingReduce:
 # A tensor that autograd passes to a tensor hook is referenced by the engine's input buffer and by the hook's
 # Python object; a higher count means another node of the graph (or a view's base link) still holds it.
 _HOOK_USE_COUNT = 2
+_HAS_USE_COUNT = hasattr(torch.Tensor, "_use_count")
 
 
 def _only_autograd_holds(grad: torch.Tensor) -> bool:
     """AccumulateGrad's test for stealing a gradient instead of copying it (``use_count`` of the tensor, and of a
     view's base), so a gradient we keep can alias nothing that a plain PyTorch ``.grad`` could not alias.  Where
     the engine passes one gradient to two leaves (``p + q``), the first to arrive sees the other's reference."""
-    if grad._use_count() > _HOOK_USE_COUNT:
-        return False
+    if not _HAS_USE_COUNT or grad._use_count() > _HOOK_USE_COUNT:
+        return False  # (a torch without Tensor._use_count: always copy, as before)
     return not grad._is_view() or grad._base._use_count() <= _HOOK_USE_COUNT
 
 

@@ -227,6 +227,11 @@ def inputs_may_be_overwritten(allowed: bool = True) -> Iterator[None]:
         _overwritable.reset(token)
 
 
+def inputs_overwritable() -> bool:
+    """Whether the caller's ``inputs_may_be_overwritten()`` lets collectives use their input as scratch."""
+    return _overwritable.get()
+
+
 # [Note: gloo's tensor collectives copy]
 # gloo implements ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` through a temporary as large as the
 # full tensor (measured on torch 2.13, 2 and 4 ranks, a 6 MiB tensor: +6 MiB transient for the all-gather,

@@ -100,9 +100,12 @@ class OwnerLayout(ShardLayout):
         by ``shard_module``.  Non-owners return a 0-row gradient, matching their 0-row ``_local``.
         """
         wire_dtype = getattr(reducer, "reduce_dtype", None) or grad.dtype
-        # A copy we own: reduce may use the non-destinations' tensor as scratch, and autograd's gradient may
-        # be shared with another input (``x + W`` passes one buffer to both).
-        wire = grad.to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
+        if _comm.inputs_overwritable() and grad.dtype == wire_dtype and grad.is_contiguous():
+            wire = grad  # the gradient hook vouches that nobody else holds it
+        else:
+            # A copy we own: reduce may use the non-destinations' tensor as scratch, and autograd's gradient may
+            # be shared with another input (``x + W`` passes one buffer to both).
+            wire = grad.to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
         _comm.reduce(wire, self.owner, self.group)
         if not self.owns:
             return grad.new_empty((0, *self.shape[1:]))

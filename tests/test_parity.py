@@ -291,7 +291,7 @@ def test_world1_gradients_are_not_copied_and_never_shared():
     assert r["values_equal"], r
 
 
-def _shared_gradient_on_two_ranks() -> float:
+def _shared_gradient_on_two_ranks(placement: str) -> float:
     """One gradient tensor reaching several leaves (two ShardedParams and a plain leaf, both orders): gloo's
     in-place reduce may use a gradient as scratch only when nobody else holds it."""
     import shardtensor
@@ -302,7 +302,8 @@ def _shared_gradient_on_two_ranks() -> float:
     mean = (weights[0] + weights[1]) / 2
     for order in range(2):
         torch.manual_seed(order)
-        module = shardtensor.shard_module(nn.ParameterDict({k: nn.Parameter(torch.randn(6, 5)) for k in "pq"}))
+        module = shardtensor.shard_module(nn.ParameterDict({k: nn.Parameter(torch.randn(6, 5)) for k in "pq"}),
+                                          placement=placement)
         p, q = module["p"], module["q"]
         r = torch.randn(6, 5, requires_grad=True)  # a plain leaf beside them keeps its local gradient
         y = (p + q + r) if order == 0 else (r + q + p)
@@ -313,5 +314,6 @@ def _shared_gradient_on_two_ranks() -> float:
     return worst
 
 
-def test_shared_gradient_is_not_overwritten_by_the_reduction():
-    assert max(run_on_ranks(2, _shared_gradient_on_two_ranks)) < 1e-6
+@pytest.mark.parametrize("placement", ["dim0", "layerwise"])
+def test_shared_gradient_is_not_overwritten_by_the_reduction(placement):
+    assert max(run_on_ranks(2, _shared_gradient_on_two_ranks, placement)) < 1e-6

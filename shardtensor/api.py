@@ -70,7 +70,7 @@ def shard_module(
         group: process group to shard over (Default: the default group; a single process needs none).
         gather: ``"sequential"``, ``"overlapped"`` or ``"auto"`` (Default: ``"overlapped"``).
         prefetch_bytes: prefetch budget of overlapped mode, also the bound on gradient reduce-scatters in flight
-            (Default: twice the largest parameter).
+            (Default: twice the 90th percentile of the parameters' gathered sizes).
         min_free_bytes: auto mode's memory threshold (Default: 1 GiB).
         reducer: gradient reducer (Default: ``ExactReducer(reduce_dtype)``).
         param_dtype: mixed precision: shards stay in their dtype (the fp32 master copy), gathers cast to

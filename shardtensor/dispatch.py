@@ -470,7 +470,9 @@ def _foreach_norm(func, args, kwargs):
         if not all(_chain_is_bijective(t._views) for _, t in sharded):
             return [torch.linalg.vector_norm(gather_for_compute_once(t), ord, dtype=dtype) if isinstance(t, ShardedParam)
                     else o for t, o in zip(tensors, out)]
-        partials = torch.stack([_p_norm_partial(_valid(t) if dtype is None else _valid(t).to(dtype), ord).float()
+        # float64 for the cross-rank sum: float32 partials would round a float64 model's norm (and cost the
+        # float32 ones nothing measurable: one value per tensor)
+        partials = torch.stack([_p_norm_partial(_valid(t) if dtype is None else _valid(t).to(dtype), ord).double()
                                 for _, t in sharded])
         groups: dict = {}  # one all-reduce per process group (models sharded over several groups)
         for k, (_, t) in enumerate(sharded):

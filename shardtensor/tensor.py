@@ -337,6 +337,22 @@ def _bind_dispatch():
     return dispatch_op
 
 
+def _declare_foreach_support() -> None:
+    """List ShardedParam where torch decides between foreach and per-tensor code, as DTensor does for itself:
+    ``clip_grad_norm_``'s default then takes ``_foreach_norm`` (one all-reduce for the whole model instead of one
+    per gradient) and ``_foreach_mul_``, and torch.optim on CUDA takes its foreach path (a few dispatches per
+    step instead of eight per parameter).  Our op table runs every ``_foreach_*`` op shard-wise."""
+    try:
+        from torch.optim.optimizer import _foreach_supported_types as optim_types
+        from torch.utils._foreach_utils import _foreach_supported_types as util_types
+    except ImportError:  # another torch: the per-tensor paths stay, and they are correct too
+        return
+    for types in (optim_types, util_types):
+        if ShardedParam not in types:
+            types.append(ShardedParam)
+
+
+_declare_foreach_support()
 _compile.skip_in_dynamo(ShardedParam.__torch_dispatch__)  # eager ops between compiled graphs are not re-traced
 
 

@@ -317,3 +317,31 @@ def _shared_gradient_on_two_ranks(placement: str) -> float:
 @pytest.mark.parametrize("placement", ["dim0", "layerwise"])
 def test_shared_gradient_is_not_overwritten_by_the_reduction(placement):
     assert max(run_on_ranks(2, _shared_gradient_on_two_ranks, placement)) < 1e-6
+
+
+def _clip_collectives() -> dict:
+    import shardtensor
+    from shardtensor import _comm
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(build_mlp(0, [7, 5, 6, 3]))
+    model(torch.randn(4, 7)).square().sum().backward()
+    calls = []
+    original = _comm.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    _comm.all_reduce = counting
+    try:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # foreach left to torch's default
+    finally:
+        _comm.all_reduce = original
+    return {"all_reduces": len(calls), "params": len(list(model.parameters())), "norm": norm.item()}
+
+
+def test_clip_grad_norm_default_path_is_one_all_reduce():
+    """ShardedParam is declared foreach-capable (as DTensor is): clip_grad_norm_'s default takes _foreach_norm."""
+    for r in run_on_ranks(2, _clip_collectives):
+        assert r["params"] >= 6 and r["all_reduces"] == 1, r

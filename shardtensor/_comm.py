@@ -241,7 +241,8 @@ def inputs_overwritable() -> bool:
 # NCCL keeps its native all-gather.  Likewise one in-place ``reduce`` per rank's rows reduce-scatters with
 # 1.5 MiB transient instead of 7.9 and in 10 ms instead of 16 (2 ranks), but it overwrites the other rows of
 # its input, so it is used only inside ``inputs_may_be_overwritten()`` (gradients nobody else holds).
-def _gathers_by_broadcast(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+def _on_gloo_cpu(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+    """CPU tensors on a gloo group: gathered by broadcasts, reduce-scattered by in-place reduces (see above)."""
     # Asked every time (2 us): a process group can be destroyed and the default one re-created on another backend.
     return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
@@ -268,7 +269,7 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
         return CollectiveResult(local, _DoneWork())
     local = local.contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-    if _gathers_by_broadcast(local, group):  # see [Note: gloo's tensor collectives copy]
+    if _on_gloo_cpu(local, group):  # see [Note: gloo's tensor collectives copy]
         rows = local.shape[0]
         out[rank(group) * rows:(rank(group) + 1) * rows].copy_(local)
         works = [dist.broadcast(_rows_alias(out, r * rows, rows), src=global_rank_of(group, r), group=group,
@@ -293,7 +294,7 @@ def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async
     if full.shape[0] % world:
         raise AssertionError(f"reduce_scatter_rows needs rows divisible by the world: {full.shape=} {world=}")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    if _overwritable.get() and _gathers_by_broadcast(full, group):  # see [Note: gloo's tensor collectives copy]
+    if _overwritable.get() and _on_gloo_cpu(full, group):  # see [Note: gloo's tensor collectives copy]
         rows = out.shape[0]
         works = [dist.reduce(_rows_alias(full, r * rows, rows), dst=global_rank_of(group, r), group=group,
                              async_op=True) for r in range(world)]

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from shardtensor.launch import free_port
+from shardtensor.launch import spawn_ranks
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
@@ -238,19 +238,9 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
 
 def spawn(config: str, args: argparse.Namespace) -> list[dict]:
     """A fresh group of ``args.world`` processes for one configuration; their per-rank figures."""
-    import torch.multiprocessing as mp
-
     # glibc reads it when the process starts: it must be in the environment the spawned ranks inherit.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, config, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    rows = [queue.get() for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    rows = spawn_ranks(_worker, args.world, config, args, join_timeout=60, check_exit=False)
     errors = [r["error"] for r in rows if "error" in r]
     if errors:
         raise SystemExit(f"{config}: {errors}")

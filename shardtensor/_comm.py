@@ -270,8 +270,8 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
     local = local.contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
     if _on_gloo_cpu(local, group):  # see [Note: gloo's tensor collectives copy]
-        rows = local.shape[0]
-        out[rank(group) * rows:(rank(group) + 1) * rows].copy_(local)
+        rows, me = local.shape[0], rank(group)
+        out[me * rows:(me + 1) * rows].copy_(local)
         works = [dist.broadcast(_rows_alias(out, r * rows, rows), src=global_rank_of(group, r), group=group,
                                 async_op=True) for r in range(world)]
         return CollectiveResult(out, _issued(_WorkList(works), "all-gather (broadcasts)", local, group, async_op,

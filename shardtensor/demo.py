@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .launch import free_port
+from .launch import spawn_ranks
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -102,20 +102,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, sharded:
 
 
 def _spawn(args: argparse.Namespace, sharded: bool) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, sharded, queue)) for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    results = [queue.get() for _ in procs]
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"a rank exited with code {p.exitcode}")
-    return sorted(results, key=lambda r: r["rank"])
+    return sorted(spawn_ranks(_worker, args.nproc, args, sharded), key=lambda r: r["rank"])
 
 
 def format_table(rows: list[dict]) -> str:

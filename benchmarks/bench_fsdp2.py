@@ -14,11 +14,11 @@ CPU memory is the growth of each rank's peak resident set: ``ru_maxrss`` at the 
 before the model is built (after the libraries are imported and AdamW has been built once: its first
 construction imports ``torch._dynamo``, ~95 MiB, which is no configuration's memory; and after two steps of a
 tiny GPT under the same configuration, so that code paths' one-time costs are not either: libtorch code pages
-faulted in, gloo's first collectives, ~12-15 MiB), with ``MALLOC_MMAP_THRESHOLD_=65536`` in every worker's
+faulted in, gloo's first collectives), with ``MALLOC_MMAP_THRESHOLD_=65536`` in every worker's
 environment from its start (so freed tensors go back to the OS and the peak is the peak of live tensors, not of
-glibc's arena) and ``TORCH_FR_BUFFER_SIZE=0`` (c10d's flight recorder keeps the last 2000 collectives, ~1.3 KB
-each: a config that issues more collectives fills it within a short run and looks up to 2.5 MiB bigger, while in
-a long run every config holds a full ring).  With
+glibc's arena) and ``TORCH_FR_BUFFER_SIZE=0`` (c10d's flight recorder keeps the last 2000 collectives: a config
+that issues more collectives fills it within a short run and looks up to 2.5 MiB bigger, while in a long run
+every config holds a full ring; ``bench_memory_phases.py --flight-recorder`` shows it).  With
 ``--device cuda`` it is ``torch.cuda.max_memory_allocated`` minus the allocation before the model (nccl; that path
 is untested: it was written on a machine without a GPU).  Step time is the median over the steps after warm-up;
 ranks meet at a barrier before each step, outside the timed region.
@@ -149,9 +149,8 @@ def _warm_up_optimizer() -> None:
 
 def _warm_up_config(config: str, args: argparse.Namespace, device: torch.device) -> None:
     """Two AdamW steps of a tiny GPT under ``config``, before the memory mark, so what each code path costs once
-    per process is not counted as the model's memory: the pages of libtorch's code that a new path faults in
-    (measured: +0.9 MiB for the first slice of a tensor, +0.5 MiB for the first ``copy_``), gloo's first
-    collectives (+1.8 MiB), the library's own caches.  Each configuration warms up its own paths."""
+    per process is not counted as the model's memory: the pages of libtorch's code that a new path faults in,
+    gloo's first collectives, the library's own caches.  Each configuration warms up its own paths."""
     from shardtensor.models import GPT, GPTConfig
 
     torch.manual_seed(0)

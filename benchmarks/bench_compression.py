@@ -1,4 +1,4 @@
-"""Does 4-bit gradient compression with error feedback train as well as fp32, on ~7.5x fewer bytes?  (DESIGN.md 6)
+"""Does 4-bit gradient compression with error feedback train as well as fp32, on ~7.5x fewer bytes?
 
 A small GPT (``shardtensor.models``) is sharded with ``shard_module(model, reducer=...)`` on W gloo CPU ranks and
 trained with AdamW on Python standard-library source text (characters), each rank on its own batches, once per gradient reducer:
@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import sys
@@ -32,7 +31,7 @@ import time
 
 import torch
 
-from shardtensor.launch import free_port
+from shardtensor.launch import run_or_exit
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -95,7 +94,7 @@ def _text_corpus() -> torch.Tensor:
     return torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
 
 
-def _train(rank: int, world: int, port: int, reducer_name: str, args: dict, outbox) -> None:
+def _train(rank: int, world: int, port: int, reducer_name: str, args: dict) -> dict:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -139,36 +138,20 @@ def _train(rank: int, world: int, port: int, reducer_name: str, args: dict, outb
         with torch.no_grad():  # held-out loss: the same batches on every rank and run
             eval_gen = torch.Generator().manual_seed(7)
             eval_losses = [model(*get_batch(held_out, args["batch"], cfg.block_size, eval_gen)).item() for _ in range(8)]
-        outbox.put((rank, {
+        return {
             "losses": losses,
             "eval_loss": sum(eval_losses) / len(eval_losses),
             "bytes_per_step": step_bytes,
             "reducer_bytes_sent": getattr(reducer, "bytes_sent", None),
             "step_seconds": times,
             "n_params": n_params,
-        }))  # fmt: skip
-    except BaseException:
-        import traceback
-
-        outbox.put((rank, traceback.format_exc()))
+        }  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
 def run(reducer_name: str, world: int, args: dict) -> dict:
-    ctx = mp.get_context("spawn")
-    outbox = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_train, args=(r, world, port, reducer_name, args, outbox)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(outbox.get(timeout=3600) for _ in range(world))
-    for p in procs:
-        p.join()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed:
-        raise RuntimeError(f"{reducer_name}: ranks failed:\n" + "\n".join(failed.values()))
-    return results[0]
+    return run_or_exit(_train, world, reducer_name, args)[0]  # a failed rank: its traceback, exit code 1
 
 
 def main() -> None:

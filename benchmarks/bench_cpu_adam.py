@@ -1,4 +1,4 @@
-"""Is CPUAdam's step at least as fast as torch's fused CPU AdamW?  (DESIGN.md section 7)
+"""Is CPUAdam's step at least as fast as torch's fused CPU AdamW?
 
 Every optimizer steps the *same* parameter and gradient tensors (CPU fp32, or the device with ``--device cuda``),
 each with its own state; timings are interleaved (one step of each, repeated) and the median is reported.

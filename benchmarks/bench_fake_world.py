@@ -44,7 +44,8 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def run_config(config: str, args: argparse.Namespace, queue) -> None:
+def run_config(_rank: int, _world: int, _port: int, config: str, args: argparse.Namespace) -> dict:
+    """One configuration in a fresh process (one spawned rank; the fake group is its own world)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -85,10 +86,10 @@ def run_config(config: str, args: argparse.Namespace, queue) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = _status_mib("VmHWM") - base
-    queue.put({"config": config, "params": n_params, "after_wrap_mib": after_wrap,
-               "state_before_steps_mib": base - before_model, "peak_growth_mib": peak,
-               "peak_total_mib": peak + base - before_model, "seconds": time.perf_counter() - start})
     dist.destroy_process_group()
+    return {"config": config, "params": n_params, "after_wrap_mib": after_wrap,
+            "state_before_steps_mib": base - before_model, "peak_growth_mib": peak,
+            "peak_total_mib": peak + base - before_model, "seconds": time.perf_counter() - start}
 
 
 def main(argv=None) -> dict:
@@ -107,17 +108,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    import torch.multiprocessing as mp
+    from shardtensor.launch import run_or_exit
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc at process start: set before spawning
-    ctx = mp.get_context("spawn")
     rows = []
     for config in args.configs:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=run_config, args=(config, args, queue))
-        proc.start()
-        rows.append(queue.get())
-        proc.join()
+        rows.append(run_or_exit(run_config, 1, config, args)[0])  # a failed run: its traceback, exit code 1
         r = rows[-1]
         print(f"{config:<14} after wrap {r['state_before_steps_mib']:8.1f} MiB  peak {r['peak_total_mib']:8.1f} MiB  "
               f"({r['seconds']:.0f} s)", flush=True)

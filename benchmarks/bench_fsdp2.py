@@ -48,7 +48,7 @@ import time
 
 import torch
 
-from shardtensor.launch import spawn_ranks
+from shardtensor.launch import run_or_exit
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
@@ -290,19 +290,15 @@ def run_rank(config: str, args: argparse.Namespace) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namespace, queue) -> None:
+def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
     try:
-        queue.put(run_rank(config, args))
-    except BaseException as e:  # the parent waits on the queue: tell it instead of hanging
-        queue.put({"config": config, "rank": rank, "error": f"{type(e).__name__}: {e}"})
-        raise
+        return run_rank(config, args)
     finally:
         dist.destroy_process_group()
 
@@ -312,11 +308,7 @@ def spawn(config: str, args: argparse.Namespace) -> list[dict]:
     # glibc reads it when the process starts: it must be in the environment the spawned ranks inherit.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     os.environ["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES  # read when the process group is created
-    rows = spawn_ranks(_worker, args.world, config, args, join_timeout=60, check_exit=False)
-    errors = [r["error"] for r in rows if "error" in r]
-    if errors:
-        raise SystemExit(f"{config}: {errors}")
-    return sorted(rows, key=lambda r: r["rank"])
+    return run_or_exit(_worker, args.world, config, args)  # a failed rank: its traceback, exit code 1
 
 
 # ---------------------------------------------------------------------------------------------------- report

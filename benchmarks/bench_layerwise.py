@@ -1,5 +1,5 @@
 """Layer-wise placement: does prefetching the owners' broadcasts overlap them with compute, and what does a step
-cost beside dim-0 sharding?  (DESIGN.md section 9)
+cost beside dim-0 sharding?
 
 A small GPT (``shardtensor.models``) on W gloo CPU ranks, one training step = forward + backward + optimizer step
 + zero_grad, each rank on its own batch.  Configurations (every one starts from the same weights):
@@ -26,7 +26,7 @@ parameters is a large part of a step, which is where placement and overlap matte
 gloo transfers are themselves CPU work (loopback copies on gloo's thread) competing with the two ranks' compute,
 so overlap can hide their latency but not their CPU cost.
 
-Peers (DESIGN.md section 9): veScale-FSDP and Dion keep dim-0 shards and, per step, send each matrix whole to one
+Peers: veScale-FSDP and Dion keep dim-0 shards and, per step, send each matrix whole to one
 rank, orthogonalise it there and scatter the result back: two extra collectives per matrix per optimizer step,
 on top of the usual all-gathers.  Layer-wise placement pays nothing extra at the step (the gradient is reduced to
 the owner, the update stays there) and moves the cost into the forward: a broadcast sends the whole tensor from
@@ -43,15 +43,15 @@ import argparse
 import copy
 import datetime
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 
 import torch
+
+from shardtensor.launch import run_or_exit
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -112,19 +112,15 @@ class _CommMeter:
                                       lambda out, w: out._replace(work=w))
 
 
-def _rank_main(rank: int, world: int, port: int, args: dict, outbox) -> None:
+def _rank_main(rank: int, world: int, port: int, args: dict) -> dict:
+    torch.set_num_threads(args["threads"])
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        torch.set_num_threads(args["threads"])
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        outbox.put((rank, _measure(rank, world, args)))
+        return _measure(rank, world, args)
+    finally:
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        import traceback
-
-        outbox.put((rank, traceback.format_exc()))
 
 
 def _measure(rank: int, world: int, args: dict) -> dict:
@@ -192,26 +188,8 @@ def _measure(rank: int, world: int, args: dict) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, args: dict) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    outbox = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, outbox)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(outbox.get(timeout=3600) for _ in range(world))
-    for p in procs:
-        p.join()
-    failed = [v for v in results.values() if isinstance(v, str)]
-    if failed:
-        raise RuntimeError("ranks failed:\n" + "\n".join(failed))
-    return [results[r] for r in range(world)]
+    return run_or_exit(_rank_main, world, args)  # a failed rank: its traceback, exit code 1
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_fsdp2 as bench  # noqa: E402  (the same wrappers, warm-ups and model flags)
 
-from shardtensor.launch import spawn_ranks  # noqa: E402
+from shardtensor.launch import run_or_exit  # noqa: E402
 
 
 def _high_water_mib_and_reset() -> float:
@@ -79,17 +79,13 @@ def run_rank(config: str, args: argparse.Namespace, steps: int) -> dict:
     return {"config": config, "rank": dist.get_rank(), "steps": rows}
 
 
-def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namespace, steps: int, queue) -> None:
+def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namespace, steps: int) -> dict:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put(run_rank(config, args, steps))
-    except BaseException as e:
-        queue.put({"config": config, "rank": rank, "error": f"{type(e).__name__}: {e}"})
-        raise
+        return run_rank(config, args, steps)
     finally:
         dist.destroy_process_group()
 
@@ -112,10 +108,7 @@ def main(argv=None) -> dict:
               "flight_recorder": ours.flight_recorder, "runs": []}
     print("MiB above the mark, rank 0: start of step / forward, backward, optimizer peaks / backward peak - start")
     for config in ours.configs:
-        rows = sorted(spawn_ranks(_worker, args.world, config, args, ours.steps, join_timeout=60, check_exit=False),
-                      key=lambda r: r["rank"])
-        if any("error" in r for r in rows):
-            raise SystemExit(f"{config}: {[r.get('error') for r in rows]}")
+        rows = run_or_exit(_worker, args.world, config, args, ours.steps)  # a failed rank: its error, exit code 1
         result["runs"].extend(rows)
         for i, s in enumerate(rows[0]["steps"]):
             print(f"{config:<14} step {i:2d}: start {s['start']:6.1f}  fwd {s['forward_peak']:6.1f}  "

@@ -1,4 +1,4 @@
-"""Offload (DESIGN.md section 8): homes for shards and optimizer state outside accelerator memory.
+"""Offload: homes for shards and optimizer state outside accelerator memory.
 
 - ``NVMeOffload`` / ``NVMeCPUAdam``: optimizer state swapped to files, within a resident byte budget.
 - ``CPUOffload``: parameter shards in pinned host memory, copied to the GPU before their gathers (CUDA only).

@@ -2,7 +2,7 @@
 
 ``shard_module(model.cuda(), offload=CPUOffload(pin_memory=True))``:
   - each ShardedParam keeps its wrapper on the GPU (autograd sees GPU parameters and GPU gradients) while its
-    ``_local`` shard moves to pinned CPU memory, allocated once (DESIGN.md 8: never pin per step);
+    ``_local`` shard moves to pinned CPU memory, allocated once (never pinned per step: pinning costs more than the copy);
   - the Gatherer reads shards through ``Gatherer.shard_source``: the shard about to be gathered is copied host to
     device on a side stream (``h2d_stream``: the copies overlap compute on the default stream), and the next
     shards in the Gatherer's recorded order are copied ahead within ``prefetch_bytes``;

@@ -1,4 +1,4 @@
-"""One memory-pressure monitor shared by the Gatherer's ``auto`` mode and the offload layer (DESIGN.md 4, 8).
+"""One memory-pressure monitor shared by the Gatherer's ``auto`` mode and the offload layer.
 
 Why one: the Gatherer decides whether to prefetch, and ``NVMeOffload`` decides how much optimizer state may stay
 resident, from the same numbers.  Two monitors polling on their own would disagree for a moment and each would

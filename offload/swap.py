@@ -1,6 +1,6 @@
 """The swap layer: CPU tensors swapped to files in a directory through a bounded pool of I/O threads.
 
-Contract (DESIGN.md section 8):
+Contract:
   - Every wait is on the future of a request that was issued (``SwapHandle.future``), with a timeout whose error
     names the tensor and the file.  Waiting on a handle with nothing in flight returns at once: there is no
     "wait for the queue".  (DeepSpeed's swapper aborted on an assertion when it waited with nothing pending.)

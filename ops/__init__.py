@@ -1,4 +1,4 @@
-"""Kernels for shardtensor: Triton versions for CUDA tensors, torch references for the CPU (DESIGN.md section 6).
+"""Kernels for shardtensor: Triton versions for CUDA tensors, torch references for the CPU.
 
 Importing this package never imports triton (see ``_int4.py``).
 """

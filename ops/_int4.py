@@ -224,7 +224,7 @@ def quantize_int4_ef(
     """Quantize ``h = grad + error`` row by row and update ``error`` in place, in one pass.
 
     Why fused: this is the compressed reducer's whole send-side cost; one read of the gradient and the error
-    and one write of bytes, scales and error (LoCo, DESIGN.md section 6)::
+    and one write of bytes, scales and error (LoCo error feedback)::
 
         h = grad + error;  (q, s) = Q4(h);  error <- beta * error + (1 - beta) * (h - q * s)
 

@@ -1,4 +1,4 @@
-"""Triton kernels for int4 gradient compression, one fused pass each (DESIGN.md section 6).
+"""Triton kernels for int4 gradient compression, one fused pass each.
 
 - ``_quantize_int4_kernel``: (x [+ error]) -> packed int4 + per-group scales [+ updated error].  Reading the
   gradient and the error once and writing the bytes, the scales and the new error once is the whole cost of

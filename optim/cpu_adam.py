@@ -1,6 +1,6 @@
 """CPUAdam: AdamW whose state lives in CPU memory, stepped speculatively while backward runs, rolled back exactly.
 
-Trade-offs (DESIGN.md section 7):
+Trade-offs:
   + optimizer state (fp32 master, exp_avg, exp_avg_sq: 12 bytes/param) leaves the accelerator;
   + with ``speculative=True`` each parameter steps on a CPU worker as soon as its gradient is final, so the step
     overlaps backward; clipping and inf/NaN are validated afterwards and undone by algebraic inversion;
@@ -254,7 +254,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise AssertionError(f"parameter {tuple(p.shape)} is in no param group of this optimizer") from None
 
     def _empty_host(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        # Pinned once per parameter, never per step (DESIGN.md section 8).
+        # Pinned once per parameter, never per step: pinning (page-locking) costs more than the copy it speeds up.
         return empty_host(shape, dtype, pin_memory=self._pinned)
 
     def _slot(self, p: torch.Tensor) -> _Slot:

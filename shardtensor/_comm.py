@@ -262,7 +262,7 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
                     label: str = "") -> CollectiveResult:
     """Gather equal dim-0 shards into one ``(world * rows, ...)`` buffer, rows in rank order.
 
-    The output is the full (padded) tensor itself: no copy-out afterwards (see DESIGN.md section 4).
+    The output is the full (padded) tensor itself: no copy-out afterwards.
     """
     world = world_size(group)
     if world == 1:
@@ -385,7 +385,7 @@ def all_gather_object(obj: object, group: ProcessGroup = None, *, label: str = "
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     rows = all_gather_rows(padded.unsqueeze(0), group, label=label or "all_gather_object").buffer.cpu()
-    return [pickle.loads(rows[r, : sizes[r]].numpy().tobytes()) for r in range(world)]
+    return [pickle.loads(bytes(rows[r, : sizes[r]].tolist())) for r in range(world)]  # no numpy: not a dependency
 
 
 def barrier(group: ProcessGroup = None, *, label: str = "") -> None:

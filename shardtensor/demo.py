@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .launch import spawn_ranks
+from .launch import run_or_exit
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -78,6 +78,9 @@ def train(args: argparse.Namespace, sharded: bool) -> dict:
         times.append(time.perf_counter() - start)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     n_params = sum(p.numel() for p in model.parameters())
+    # Elements this rank stores for its parameters: its shards when sharded, every element under DDP.
+    local = sum(p.to_local().numel() if isinstance(p, shardtensor.ShardedParam) else p.numel()
+                for p in model.parameters())
     return {
         "run": label,
         "rank": rank,
@@ -86,23 +89,24 @@ def train(args: argparse.Namespace, sharded: bool) -> dict:
         "peak_mib": (_peak_rss_bytes() - rss_before) / 2**20,
         "step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
         "params": n_params,
+        "local_param_elements": local,
     }
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, sharded: bool, queue) -> None:
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, sharded: bool) -> dict:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # MASTER_ADDR/PORT: set by the launcher
     try:
-        queue.put(train(args, sharded))
+        return train(args, sharded)
     finally:
         dist.destroy_process_group()
 
 
 def _spawn(args: argparse.Namespace, sharded: bool) -> list[dict]:
-    return sorted(spawn_ranks(_worker, args.nproc, args, sharded), key=lambda r: r["rank"])
+    # A rank that raises or dies ends the demo with that rank's error (exit code 1), never a hang.
+    return run_or_exit(_worker, args.nproc, args, sharded)
 
 
 def format_table(rows: list[dict]) -> str:

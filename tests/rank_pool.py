@@ -3,7 +3,16 @@
 Why: starting a process that imports torch costs seconds; a property test with 20 examples x 3 world sizes
 cannot afford fresh processes per example.  The pytest process draws the example (hypothesis) and ships the
 same picklable ``fn(*args)`` to every rank; each rank's return value (or its traceback) comes back in rank
-order.  A hang is a failure: every call has a timeout, and a dead worker is reported with its exit code.
+order.  A hang is a failure, and fails fast:
+
+- a rank that dies (killed, a C++ abort) is seen by ``torch.multiprocessing``'s ``ProcessContext.join`` (the
+  machinery ``shardtensor.launch.spawn_ranks`` uses) within a second: the pool is killed and the call raises,
+  naming the rank and its exit signal or code;
+- a rank whose ``fn`` raised leaves the others ``FAILURE_GRACE_S`` to finish (they may be blocked in a
+  collective with it); then the pool is killed and the call raises with every traceback it has;
+- every call has an overall timeout.
+
+A killed pool is started afresh by the next call for that world size.
 
 Usage (``fn`` must be a module-level function of an importable module, e.g. a test module)::
 
@@ -13,23 +22,19 @@ Usage (``fn`` must be a module-level function of an importable module, e.g. a te
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import os
 import queue
-import socket
+import time
 import traceback
 from typing import Any, Callable
 
+from shardtensor.launch import free_port
+
 _POOLS: dict[int, "_Pool"] = {}
+FAILURE_GRACE_S = 20.0  # after one rank's fn raised, how long the others get before the pool is killed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+def _worker(rank: int, world: int, port: int, inboxes: list, outbox) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     import datetime
@@ -39,6 +44,7 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
+    inbox = inboxes[rank]
     while True:
         job = inbox.get()
         if job is None:
@@ -53,48 +59,64 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
 
 class _Pool:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
-        port = _free_port()
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
         self.world = world
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
+        self.context = tmp.start_processes(_worker, args=(world, free_port(), self.inboxes, self.outbox),
+                                           nprocs=world, join=False, daemon=True, start_method="spawn")
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
+        import torch.multiprocessing as tmp
+
         for inbox in self.inboxes:
             inbox.put((fn, args, kwargs))
         results: dict[int, Any] = {}
-        failures: list[str] = []
-        waited = 0.0
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        grace_end = None
+        where = f"{fn.__name__} on world size {self.world}"
         while len(results) + len(failures) < self.world:
             try:
-                rank, ok, value = self.outbox.get(timeout=1.0)
+                rank, ok, value = self.outbox.get(timeout=0.5)
             except queue.Empty:
-                waited += 1.0
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                if dead or waited > timeout:
+                try:
+                    self.context.join(timeout=0)  # raises at once if a rank has died
+                except tmp.ProcessExitedException as e:
                     self.kill()
-                    why = f"ranks {dead} died" if dead else f"timed out after {timeout:.0f}s (a hang)"
-                    raise RuntimeError(f"{fn.__name__} on world size {self.world}: {why}; failures: {failures}")
+                    raise RuntimeError(f"{where}: rank {e.error_index} died ({e}); the pool was killed"
+                                       + _tracebacks(failures)) from None
+                now = time.monotonic()
+                if grace_end is not None and now > grace_end:
+                    self.kill()
+                    silent = sorted(set(range(self.world)) - set(results) - set(failures))
+                    raise AssertionError(f"{where}: ranks {silent} gave no result {FAILURE_GRACE_S:.0f} s after "
+                                         f"rank(s) {sorted(failures)} raised (blocked in a collective with them?); "
+                                         "the pool was killed" + _tracebacks(failures))
+                if now > deadline:
+                    self.kill()
+                    raise RuntimeError(f"{where}: timed out after {timeout:.0f} s (a hang); the pool was killed"
+                                       + _tracebacks(failures))
                 continue
             if ok:
                 results[rank] = value
             else:
-                failures.append(f"rank {rank}:\n{value}")
+                failures[rank] = value
+                grace_end = grace_end or time.monotonic() + FAILURE_GRACE_S
         if failures:
-            raise AssertionError("\n".join(failures))
+            raise AssertionError(_tracebacks(failures).lstrip())
         return [results[r] for r in range(self.world)]
 
     def kill(self) -> None:
-        for p in self.procs:
+        for p in self.context.processes:
             if p.is_alive():
                 p.kill()
-        _POOLS.pop(self.world, None)
+        for p in self.context.processes:
+            p.join(timeout=5)
+        if _POOLS.get(self.world) is self:
+            _POOLS.pop(self.world)
 
     def close(self) -> None:
         for inbox in self.inboxes:
@@ -102,10 +124,14 @@ class _Pool:
                 inbox.put(None)
             except Exception:  # noqa: BLE001
                 pass
-        for p in self.procs:
+        for p in self.context.processes:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+
+
+def _tracebacks(failures: dict) -> str:
+    return "".join(f"\nrank {r}:\n{tb}" for r, tb in sorted(failures.items()))
 
 
 def run_on_ranks(world: int, fn: Callable, *args, timeout: float = 240.0, **kwargs) -> list:

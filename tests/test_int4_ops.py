@@ -1,4 +1,4 @@
-"""Properties of the int4 kernels (DESIGN.md sections 6 and 10): references, and Triton against the references.
+"""Properties of the int4 kernels: references, and Triton against the references.
 
 The Triton kernels run under ``TRITON_INTERPRET=1`` on CPU tensors (as CI runs them) or on a GPU; otherwise, or
 without triton, those tests skip with the reason.  Sizes stay small: the interpreter runs kernels in numpy.
@@ -116,11 +116,20 @@ def test_dequantize_reduce_equals_sum_of_dequantizations(x, world, group_size, s
     gen = torch.Generator().manual_seed(seed)
     chunks = torch.stack([x * torch.randn((), generator=gen).item() for _ in range(world)])  # (W, C)
     packed, scales = ops.quantize_int4_ef(chunks, None, group_size)
-    summed = ops.dequantize_reduce_int4(packed, scales, x.numel(), group_size)
-    separate = torch.zeros(x.numel(), device=DEVICE)
-    for w in range(world):  # chunk order, as the fused kernel sums
-        separate += ops.dequantize_int4(packed[w], scales[w], x.numel(), group_size)
-    assert torch.equal(summed, separate)
+    summed = ops.dequantize_reduce_int4(packed, scales, x.numel(), group_size).cpu()
+    # Independent of the library's decoders: the byte format decoded here in Python (element 2j is byte j's low
+    # nibble, 2j+1 its high one, two's complement), times its group's scale, summed in chunk order in float32.
+    expect = torch.zeros(x.numel())
+    packed_rows, scale_rows = packed.cpu().tolist(), scales.cpu()
+    for w in range(world):
+        nibbles = [n for b in packed_rows[w] for n in (b & 0xF, b >> 4)][: x.numel()]
+        ints = torch.tensor([n - 16 if n >= 8 else n for n in nibbles], dtype=torch.float32)
+        group_scale = scale_rows[w][torch.arange(x.numel()) // group_size]
+        decoded = ints * group_scale
+        # ... and that decoding is the quantization of the chunk: within half a step of every element.
+        assert ((decoded - chunks[w].cpu()).abs() <= group_scale * 0.5001 + 1e-30).all(), w
+        expect += decoded
+    torch.testing.assert_close(summed, expect, rtol=1e-6, atol=1e-6 * float(expect.abs().max()) + 1e-30)
 
 
 @SETTINGS

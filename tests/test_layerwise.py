@@ -1,4 +1,4 @@
-"""Layer-wise placement (DESIGN.md section 9): whole parameters owned by one rank.
+"""Layer-wise placement: whole parameters owned by one rank.
 
 - Training with ``placement="layerwise"`` equals single-process training on the concatenated batch (stock AdamW,
   for-loop / foreach / fused, with clipping), and ``shardtensor.optim.Muon`` on layer-wise shards equals the

@@ -15,8 +15,12 @@ import os
 import resource
 import sys
 import time
+import warnings
 
-import torch
+# torch warns once per process when numpy is missing; nothing here needs numpy (it is not a dependency).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
 
 from .launch import run_or_exit
 

@@ -1,0 +1,119 @@
+"""Break the code on purpose, one mutation at a time, and check that the test meant to notice does fail.
+
+    TRITON_INTERPRET=1 python tests/mutations.py            # every mutation in tests/mutations.md
+    TRITON_INTERPRET=1 python tests/mutations.py same_placement int4_sign
+
+Each mutation names a file, a function in it, a snippet of that function and its replacement (found by text
+inside the function, not by line number, so it survives files being reorganised).  The file is changed in
+place, the catching tests run, and the file is restored (also on Ctrl-C).  Exit code 1 if a mutation is
+survived (its tests pass) or no longer applies (the snippet moved: update the table).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import NamedTuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Mutation(NamedTuple):
+    path: str
+    function: str  # the snippet is searched for from ``def <function>`` on
+    old: str
+    new: str
+    tests: tuple  # pytest node ids that must fail
+
+
+MUTATIONS = {
+    "same_placement": Mutation(
+        "shardtensor/dispatch.py", "_same_placement",
+        "return a._layout == b._layout and a._views == b._views", "return True",
+        ("tests/test_view_combinations.py",)),
+    "reduction_not_all_reduced": Mutation(
+        "shardtensor/dispatch.py", "_simple_reduction",
+        "_comm.all_reduce(partial, self._layout.group, op=op)", "pass",
+        ("tests/test_errors_and_repr.py::test_every_op_on_two_ranks_with_padding",)),
+    "int4_sign": Mutation(
+        "ops/_int4_ref.py", "dequantize_reduce_rows_ref",
+        "acc += qg[w] * s[w]", "acc += qg[w].abs() * s[w]",
+        ("tests/test_int4_ops.py::test_dequantize_reduce_equals_sum_of_dequantizations",)),
+    "repr_base_shape": Mutation(
+        "shardtensor/tensor.py", "__repr__",
+        "f\"ShardedParam(shape={tuple(self.shape)}", "f\"ShardedParam(shape={tuple(self._layout.shape)}",
+        ("tests/test_errors_and_repr.py::test_repr_and_str_need_no_process_group",)),
+    "fuzz_family_dropped": Mutation(
+        "tests/test_fuzz_ops.py", "(strategy)",
+        "", "",  # special: see apply(); the strategy stops drawing the "combine" family
+        ("tests/test_fuzz_ops.py::test_every_family_is_drawn",)),
+    "swap_unbounded_inflight": Mutation(
+        "offload/swap.py", "_throttle",
+        "if not over or not self.wait_oldest():", "if True:",
+        ("tests/test_offload.py::test_swap_stress_no_deadlock_no_stale_data_and_named_faults",)),
+    "gather_bookkeeping_empty": Mutation(
+        "shardtensor/gather.py", "_start_gather",
+        "self._alive_refs.append(weakref.ref(full))", "pass",
+        ("tests/test_gather.py::test_gather_bookkeeping_does_not_grow_with_steps",)),
+    "pool_ignores_dead_ranks": Mutation(
+        "tests/rank_pool.py", "run",
+        "self.context.join(timeout=0)  # raises at once if a rank has died", "pass",
+        ("tests/test_launch.py::test_rank_pool_reports_a_killed_rank",)),
+    "launcher_ignores_failures": Mutation(
+        "shardtensor/launch.py", "spawn_ranks",
+        "while not context.join(timeout=0.5):", "while not all(not p.is_alive() for p in context.processes):",
+        ("tests/test_launch.py::test_a_rank_that_raises_ends_the_launch_with_its_traceback",
+         "tests/test_launch.py::test_a_killed_rank_ends_the_launch_naming_the_rank_and_signal")),
+}
+
+
+def apply(name: str, m: Mutation, text: str) -> str:
+    if name == "fuzz_family_dropped":
+        old = "sequences = st.lists(st.sampled_from(sorted(OPS)),"
+        new = "sequences = st.lists(st.sampled_from(sorted(n for n in OPS if OPS[n][0] != 'combine')),"
+        if old not in text:
+            raise LookupError(old)
+        return text.replace(old, new, 1)
+    start = text.find(f"def {m.function}(")
+    at = text.find(m.old, start) if start >= 0 else -1
+    if at < 0:
+        raise LookupError(f"{m.old!r} after 'def {m.function}('")
+    return text[:at] + m.new + text[at + len(m.old):]
+
+
+def run(name: str) -> bool:
+    m = MUTATIONS[name]
+    path = os.path.join(ROOT, m.path)
+    with open(path) as f:
+        original = f.read()
+    try:
+        mutated = apply(name, m, original)
+    except LookupError as e:
+        print(f"[{name}] does not apply any more ({m.path}: {e}): update tests/mutations.py", flush=True)
+        return False
+    try:
+        with open(path, "w") as f:
+            f.write(mutated)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *m.tests],
+                              cwd=ROOT, capture_output=True, text=True, timeout=900)
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+    caught = proc.returncode != 0
+    tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
+    print(f"[{name}] {'caught' if caught else 'SURVIVED'} by {', '.join(m.tests)}: {' '.join(tail)}", flush=True)
+    return caught
+
+
+def main(names: list) -> int:
+    names = names or list(MUTATIONS)
+    unknown = [n for n in names if n not in MUTATIONS]
+    if unknown:
+        print(f"unknown mutations {unknown}; known: {sorted(MUTATIONS)}")
+        return 2
+    return 0 if all([run(n) for n in names]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

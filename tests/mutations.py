@@ -95,14 +95,15 @@ def run(name: str) -> bool:
     try:
         with open(path, "w") as f:
             f.write(mutated)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *m.tests],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", *m.tests],
                               cwd=ROOT, capture_output=True, text=True, timeout=900)
     finally:
         with open(path, "w") as f:
             f.write(original)
     caught = proc.returncode != 0
-    tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
-    print(f"[{name}] {'caught' if caught else 'SURVIVED'} by {', '.join(m.tests)}: {' '.join(tail)}", flush=True)
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    summary = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
+    print(f"[{name}] {'caught' if caught else 'SURVIVED'} ({' '.join(summary)})", *failed, sep="\n  ", flush=True)
     return caught
 
 

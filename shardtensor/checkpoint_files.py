@@ -18,7 +18,6 @@ complete.  This is the simple, same-world format; ``shardtensor.checkpoint`` (DC
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -48,8 +47,7 @@ def _names(rank: int, world: int) -> tuple[str, str]:
 
 def _tensor_sha256(t: torch.Tensor) -> str:
     t = t.detach().contiguous().cpu().reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
-    raw = t.view(torch.uint8)  # hashed in place through ctypes: numpy is not a runtime dependency
-    return hashlib.sha256((ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr()) if t.numel() else b"").hexdigest()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
 def _file_sha256(path: Path) -> str:

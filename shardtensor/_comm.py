@@ -385,7 +385,7 @@ def all_gather_object(obj: object, group: ProcessGroup = None, *, label: str = "
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     rows = all_gather_rows(padded.unsqueeze(0), group, label=label or "all_gather_object").buffer.cpu()
-    return [pickle.loads(bytes(rows[r, : sizes[r]].tolist())) for r in range(world)]  # no numpy: not a dependency
+    return [pickle.loads(bytes(rows[r, : sizes[r]].tolist())) for r in range(world)]  # plain bytes: no numpy on this path
 
 
 def barrier(group: ProcessGroup = None, *, label: str = "") -> None:

@@ -400,26 +400,3 @@ def test_two_ranks_speculative_equals_non_speculative(sharded):
         assert results[0]["first"] != results[1]["first"]  # each rank holds different rows
     else:
         assert results[0]["first"] == results[1]["first"]  # replicated parameters stay identical
-
-
-@settings(max_examples=6, deadline=None)
-@given(numel=st.integers(1, 5_000_000), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
-def test_empty_host_is_a_plain_tensor_of_exact_size(numel, dtype):
-    """Huge-page state buffers behave as torch.empty would: exact storage (no padding saved), writable, aligned
-    to 2 MiB when the kernel offers huge pages, and independent of the mapping object that made them."""
-    import io
-
-    from shardtensor.optim._host_memory import _HUGE_PAGE, _MIN_BYTES, empty_host, huge_pages_available
-
-    t = empty_host((numel,), dtype)
-    assert t.shape == (numel,) and t.dtype == dtype and t.is_contiguous()
-    assert t.untyped_storage().nbytes() == numel * dtype.itemsize
-    if huge_pages_available() and numel * dtype.itemsize >= _MIN_BYTES:
-        assert t.data_ptr() % _HUGE_PAGE == 0
-    values = torch.arange(numel, dtype=torch.float64).to(dtype)
-    t.copy_(values)
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    buf.seek(0)
-    assert torch.equal(torch.load(buf), values)
-    assert torch.equal(t, values)

@@ -17,7 +17,11 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import math
+
 import torch
+
+from shardtensor import _comm
 
 from ._adam_math import Hyper, hyper_of
 
@@ -60,6 +64,16 @@ class SpeculationStats:
     rolled_back_params: int = 0
     early_clip_halts: int = 0  # steps in which speculation stopped once clipping was certain
     user_rollbacks: int = 0  # rollback() calls
+
+    def record_step(self, speculated: bool, rolled_back: bool, clip: bool, paused: bool, skipped: bool) -> None:
+        self.steps += 1
+        self.skipped_steps += skipped
+        if speculated:
+            self.speculated_steps += 1
+            self.committed_steps += not rolled_back
+        self.rolled_back_steps += rolled_back
+        self.clipped_steps += clip
+        self.paused_steps += paused
 
 
 @dataclass(eq=False)
@@ -151,6 +165,28 @@ def hypers(slots: list[Slot]) -> list[Hyper]:
             hp = per_group[id(s.group)] = hyper_of(s.group)
         out.append(hp)
     return out
+
+
+def global_norm(slots: list[Slot], process_group: Any) -> tuple[bool, float]:
+    """(all finite on every rank, global L2 norm) from each slot's ``sumsq``.  One all-reduce of three float64s:
+    [sharded sumsq, replicated sumsq, #nonfinite].
+
+    Replicated contributions are averaged over ranks (identical when the grads are, as data parallelism makes
+    them); whatever they are, every rank reaches the same decision.
+    """
+    sharded = replicated = 0.0
+    nonfinite = 0
+    for slot in slots:  # param order: same summation order on every path
+        if not math.isfinite(slot.sumsq):
+            nonfinite += 1
+        elif slot.sharded:
+            sharded += slot.sumsq
+        else:
+            replicated += slot.sumsq
+    buf = torch.tensor([sharded, replicated, float(nonfinite)], dtype=torch.float64)
+    _comm.all_reduce(buf, process_group, op="sum")
+    total = float(buf[0]) + float(buf[1]) / _comm.world_size(process_group)
+    return float(buf[2]) == 0 and math.isfinite(total), math.sqrt(total) if math.isfinite(total) else math.inf
 
 
 # ---------------------------------------------------------------------------------------------- staging

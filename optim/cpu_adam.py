@@ -48,11 +48,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from shardtensor import _comm
-
 from ._adam_math import Hyper, adamw_rollback_, adamw_step_, finite_checks, hyper_of, sq_norms
-from ._slots import LastStep, Slot, SpeculationStats, grad_key, host_grad, hypers, is_sharded, local_of, \
-    self_mastered, stage_grad
+from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
+    local_of, self_mastered, stage_grad
 from ._speculation import SpecPhase, SpeculationMixin
 from .state_store import MOMENTS, HostStore, StateStore
 
@@ -215,7 +213,9 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
             self._apply(slots, slots if clip else rest, grads, self.max_grad_norm / (norm + 1e-6) if clip else None)
         else:
             self._last = None
-        self._count(speculated, rolled_back, clip, paused, finite, skipped=not finite)
+        self.stats.record_step(speculated, rolled_back, clip, paused, skipped=not finite)
+        if finite and self.max_grad_norm is not None:
+            self._clip_streak = self._clip_streak + 1 if clip else 0  # rule 7
         hooks_seen = max((s.hooks for s in all_slots), default=0)
         if hooks_seen:
             self._expected_hooks = hooks_seen  # rule 5
@@ -252,27 +252,9 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
         return out
 
     def _global_norm(self, slots: list[Slot]) -> tuple[bool, float]:
-        """(all finite on every rank, global L2 norm).  One all-reduce: [sharded sumsq, replicated sumsq, #nonfinite].
-
-        Replicated contributions are averaged over ranks (identical when the grads are, as data parallelism makes
-        them); whatever they are, every rank reaches the same decision.
-        """
         if self.max_grad_norm is None and not self.skip_nonfinite:
             return True, math.nan  # nothing to validate: no collective either
-        sharded = replicated = 0.0
-        nonfinite = 0
-        for slot in slots:  # param order: same summation order on every path
-            if not math.isfinite(slot.sumsq):
-                nonfinite += 1
-            elif slot.sharded:
-                sharded += slot.sumsq
-            else:
-                replicated += slot.sumsq
-        buf = torch.tensor([sharded, replicated, float(nonfinite)], dtype=torch.float64)
-        _comm.all_reduce(buf, self.process_group, op="sum")
-        world = _comm.world_size(self.process_group)
-        total = float(buf[0]) + float(buf[1]) / world
-        return float(buf[2]) == 0 and math.isfinite(total), math.sqrt(total) if math.isfinite(total) else math.inf
+        return global_norm(slots, self.process_group)
 
     def _apply(self, slots: list[Slot], to_step: list[Slot], grads: dict, coef: Optional[float]) -> None:
         """Step ``to_step`` (clipped by ``coef``), write every slot back, and remember what rollback() needs."""
@@ -285,20 +267,6 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
         used = [grads[id(s)] for s in slots]
         hps = step_hps if len(to_step) == len(slots) else hypers(slots)  # to_step is slots or a subset
         self._last = LastStep(slots, used, hps, [grad_key(g) for g in used])
-
-    def _count(self, speculated: bool, rolled_back: bool, clip: bool, paused: bool, finite: bool,
-               skipped: bool) -> None:
-        stats = self.stats
-        stats.steps += 1
-        stats.skipped_steps += skipped
-        if speculated:
-            stats.speculated_steps += 1
-            stats.committed_steps += not rolled_back
-        stats.rolled_back_steps += rolled_back
-        stats.clipped_steps += clip
-        stats.paused_steps += paused
-        if finite and self.max_grad_norm is not None:
-            self._clip_streak = self._clip_streak + 1 if clip else 0  # rule 7
 
     def _by_chunk(self, slots: list[Slot], key: Callable[[int], Any]) -> Iterable[list[int]]:
         """Positions in ``slots``, resident chunk by chunk (the store's plan), grouped by ``key(position)``."""

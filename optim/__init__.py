@@ -1,3 +1,3 @@
-from .compressed import CompressedReducer  # noqa: F401  (4-bit gradient reduce, DESIGN.md section 6)
+from .compressed import CompressedReducer  # noqa: F401  (4-bit gradient reduce-scatter)
 from .cpu_adam import CPUAdam, SpeculationStats  # noqa: F401
-from .muon import Muon  # noqa: F401  (layer-wise: Muon / AdamW on the whole tensors a rank owns, DESIGN.md section 9)
+from .muon import Muon  # noqa: F401  (layer-wise: Muon / AdamW on the whole tensors a rank owns)

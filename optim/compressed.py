@@ -1,4 +1,4 @@
-"""CompressedReducer: the gradient reduce-scatter in 4 bits, with LoCo error feedback (DESIGN.md section 6).
+"""CompressedReducer: the gradient reduce-scatter in 4 bits, with LoCo error feedback.
 
 [Note: compressed reduce]
 Each rank holds its full, un-reduced gradient ``g`` of a parameter, ``(W * rows, *rest)``.  Rank r must end with
@@ -88,7 +88,7 @@ class CompressedReducer:
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta must lie in [0, 1) (the drift bound is |e| / (1 - beta)): {beta=}")
         if error_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"error buffers are float32 or bfloat16 (see DESIGN.md section 6): {error_dtype=}")
+            raise ValueError(f"error buffers are float32 or bfloat16: {error_dtype=}")
         self.bits = bits
         self.group_size = group_size
         self.error_feedback = error_feedback

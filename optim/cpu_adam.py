@@ -11,7 +11,11 @@ Trade-offs:
   - speculation keeps a separate fp32 master and a gradient snapshot per parameter (8 bytes/param more on a
     CPU-only model, allocated on the first speculative step), and a rollback costs a pass over the state (rare
     by design: see ``clip_patience``);
-  - gradients must be final when the post-accumulate-grad hook fires.  See [Note: speculation rules].
+  - gradients must be final when the post-accumulate-grad hook fires.  See [Note: speculation rules];
+  - the inf/NaN check (``skip_nonfinite``) is a read of each gradient torch's step does not make: the fused
+    kernel's ``found_inf`` only *skips* on a flag computed elsewhere, and a non-finite element destroys its m, v
+    (step-then-undo is not exact).  It rides on the clipping norm or the speculative worker (during backward)
+    where they run, and is its own pass otherwise; ``skip_nonfinite=False`` drops it.
 
 [Note: speculation rules]
 1. Parameters change only inside ``step()`` and ``rollback()``: a speculative step updates the host master and

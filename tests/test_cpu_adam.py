@@ -400,3 +400,44 @@ def test_two_ranks_speculative_equals_non_speculative(sharded):
         assert results[0]["first"] != results[1]["first"]  # each rank holds different rows
     else:
         assert results[0]["first"] == results[1]["first"]  # replicated parameters stay identical
+
+
+# ---------------------------------------------------------------------------------------------- structure
+def test_speculation_phases_are_asserted_and_a_state_store_is_the_seam():
+    """A hook that fires while step() validates is a named error (not a silent race); a custom StateStore gets the
+    moments, every batched step runs through its chunks, and the results equal the default store's bit for bit."""
+    from shardtensor.optim._speculation import SpecPhase
+    from shardtensor.optim.state_store import HostStore, StateStore
+
+    class Counting(HostStore):
+        def __init__(self):
+            super().__init__()
+            self.tracked, self.chunked = [], 0
+
+        def track(self, key, state):
+            self.tracked.append(key)
+
+        def chunks(self, keys):
+            self.chunked += 1
+            for k in keys:  # one parameter per chunk: the optimizer must not assume one chunk
+                yield [k]
+
+    shapes = [(4, 3), (3,)]
+    store = Counting()
+    assert isinstance(store, StateStore)
+    runs = [_Run(_params(shapes, 0), lr=1e-2, max_grad_norm=1.0, state_store=s) for s in (store, None)]
+    for grads in _grad_seq(shapes, 3, 0, [0.1, 5.0, 0.1]):  # the middle step clips: rollback through chunks too
+        for run in runs:
+            run.opt.zero_grad()
+            run.backward(grads)
+            run.opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(runs[0].params, runs[1].params))
+    assert sorted(store.tracked) == [0, 1] and store.chunked >= 3
+    opt = runs[0].opt
+    assert opt._phase is SpecPhase.IDLE
+    opt._phase = SpecPhase.VALIDATING  # as if a backward ran inside step()
+    with pytest.raises(AssertionError, match="expected phase.*validating"):
+        runs[0].backward(_grad_seq(shapes, 1, 1, [1.0])[0])
+    opt._phase = SpecPhase.IDLE
+    for run in runs:
+        run.opt.close()

@@ -103,7 +103,7 @@ class Slot:
     sumsq: Optional[float] = None
 
     def local(self) -> torch.Tensor:
-        return local_of(self.param)
+        return self.param.to_local() if self.sharded else self.param
 
     def master(self) -> torch.Tensor:
         """The fp32 master outside speculation (what ``step()`` and ``rollback()`` update)."""

@@ -1,12 +1,21 @@
 """Is CPUAdam's step at least as fast as torch's fused CPU AdamW?
 
+Head to head first, on two configurations in one run (``--configs``): ``single``, one 20M-element tensor, and
+``gpt``, the 24 tensors of two GPT blocks (d=1024, 25M parameters).  For each, CPUAdam with its *default*
+arguments (speculative, inf/NaN check), CPUAdam's bare step (``skip_nonfinite=False``: no check, as torch) and
+torch's fused AdamW step the same parameters and gradients, each with its own state, in interleaved rounds (one
+step of each per round, the order rotated every round); the report gives each one's median and the median of
+the per-round ratios fused/CPUAdam with its spread (min, quartiles, max): on a shared machine step times drift
+10-25% but the ratio within a round does not.  ``--table`` adds the full table below for the ``--layout``.
+
 Every optimizer steps the *same* parameter and gradient tensors (CPU fp32, or the device with ``--device cuda``),
 each with its own state; timings are interleaved (one step of each, repeated) and the median is reported.
 GB/s counts AdamW's minimum traffic, 28 bytes/param (read p, g, m, v; write p, m, v), beside a measured
 memory-copy rate (8 bytes/element: read + write) on the same machine.  The rollback row times
 ``CPUAdam.rollback()`` (foreach inversion), and the JSON records the inversion error of one step.
 
-    python benchmarks/bench_cpu_adam.py                       # 'model' layout, 32M params, all cores
+    python benchmarks/bench_cpu_adam.py --threads 1           # head to head, both configurations
+    python benchmarks/bench_cpu_adam.py --table               # ... and the table: 'model' layout, 32M params
     python benchmarks/bench_cpu_adam.py --layout large --numel 33554432
     python benchmarks/bench_cpu_adam.py --device cuda         # params on the GPU, CPUAdam state on the CPU
 """
@@ -86,6 +95,46 @@ def rollback_error(shape, seed: int = 0) -> dict:
     return out
 
 
+def quantiles(xs: list[float]) -> dict:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return dict(min=min(xs), q1=q[0], median=statistics.median(xs), q3=q[2], max=max(xs))
+
+
+def head_to_head(config: str, device: str, rounds: int, hp: dict) -> dict:
+    """Interleaved rounds of CPUAdam (default), CPUAdam (bare) and torch fused AdamW on one configuration."""
+    shapes = [(20_000_000,)] if config == "single" else shapes_for("model", 2 * (12 * 1024 * 1024 + 13 * 1024))
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+    for p in params:
+        p.grad = 0.01 * torch.randn_like(p)
+    impls = {
+        "CPUAdam default": CPUAdam(params, **hp),
+        "CPUAdam bare": CPUAdam(params, speculative=False, skip_nonfinite=False, **hp),
+        "torch AdamW fused": torch.optim.AdamW(params, fused=True, **hp),
+    }
+    for opt in impls.values():  # state allocation outside the timings
+        opt.step()
+    sync(device)
+    names = list(impls)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t = time.perf_counter()
+            impls[name].step()
+            sync(device)
+            times[name].append(time.perf_counter() - t)
+    fused = times["torch AdamW fused"]
+    out = dict(config=config, tensors=len(shapes), numel=sum(p.numel() for p in params), rounds=rounds,
+               median_ms={k: statistics.median(v) * 1e3 for k, v in times.items()},
+               speed_vs_fused={k: quantiles([f / t for f, t in zip(fused, times[k])]) for k in names[:2]})
+    for k in names[:2]:
+        q = out["speed_vs_fused"][k]
+        print(f"{config:>6} ({out['tensors']} tensors, {out['numel'] / 1e6:.1f}M): {k:<16} "
+              f"{out['median_ms'][k]:8.2f} ms vs fused {out['median_ms']['torch AdamW fused']:8.2f} ms; speed vs "
+              f"fused, per-round ratios: median {q['median']:.3f}x (min {q['min']:.3f}, q1 {q['q1']:.3f}, "
+              f"q3 {q['q3']:.3f}, max {q['max']:.3f}; {rounds} rounds)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layout", choices=["model", "large"], default="model")
@@ -94,10 +143,25 @@ def main() -> None:
     ap.add_argument("--head-to-head", type=int, default=100, help="alternating CPUAdam / torch fused steps")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--configs", default="single,gpt", help="head-to-head configurations: single, gpt")
+    ap.add_argument("--rounds", type=int, default=30, help="interleaved head-to-head rounds per configuration")
+    ap.add_argument("--table", action="store_true", help="also the full table on --layout / --numel")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cpu_adam_<layout>_<device>.json)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    print(f"torch {torch.__version__}, {args.threads} threads, device={args.device}, load average {os.getloadavg()}")
+    heads = [head_to_head(c, args.device, args.rounds, hp) for c in args.configs.split(",") if c]
+    if not args.table:
+        out = args.out or os.path.join(os.path.dirname(__file__), "results", f"cpu_adam_head_to_head_{args.device}.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(dict(command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                           threads=args.threads, load_average=os.getloadavg(), torch=torch.__version__,
+                           hyper=dict(hp, betas=list(hp["betas"])), head_to_head=heads), f, indent=2)
+        print(f"wrote {out}")
+        return
 
     shapes = shapes_for(args.layout, args.numel)
     params = [torch.nn.Parameter(torch.randn(s, device=args.device)) for s in shapes]
@@ -105,7 +169,6 @@ def main() -> None:
         p.grad = 0.01 * torch.randn_like(p)
     numel = sum(p.numel() for p in params)
 
-    hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     # Rows: the bare step (no inf/NaN check, as torch's), the default (inf/NaN check: one read of the grads),
     # and both sides with clipping (a norm that never clips: same passes, comparable numbers).
     clip_ref = torch.optim.AdamW(params, fused=True, **hp)
@@ -189,7 +252,8 @@ def main() -> None:
             config=dict(layout=args.layout, numel=numel, tensors=len(shapes), threads=args.threads,
                         device=args.device, repeats=args.repeats, hyper=dict(hp, betas=list(hp["betas"]))),
             machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__),
-            load_average=os.getloadavg(), memcpy_gb_per_s=copy_gbps, bytes_per_param=BYTES_PER_PARAM, results=rows, rollback_error=err,
+            load_average=os.getloadavg(), memcpy_gb_per_s=copy_gbps, bytes_per_param=BYTES_PER_PARAM, results=rows,
+            rollback_error=err, head_to_head_configs=heads,
             head_to_head=dict(steps=args.head_to_head, cpu_adam_median_ms=statistics.median(head["CPUAdam"]) * 1e3,
                               fused_median_ms=statistics.median(head["torch AdamW fused"]) * 1e3,
                               speed_vs_fused_paired=head_ratio),

@@ -8,7 +8,8 @@
 
 from .cpu import CPUOffload
 from .monitor import MemoryMonitor, shared_monitor
-from .nvme import NVMeCPUAdam, NVMeOffload
-from .swap import SwapError, SwapSpace
+from .nvme import NVMeCPUAdam, NVMeOffload, OffloadWriteError
+from .swap import SwapError, SwapSpace, SwapWriteError
 
-__all__ = ["CPUOffload", "NVMeOffload", "NVMeCPUAdam", "SwapSpace", "SwapError", "MemoryMonitor", "shared_monitor"]
+__all__ = ["CPUOffload", "NVMeOffload", "NVMeCPUAdam", "OffloadWriteError", "SwapSpace", "SwapError", "SwapWriteError",
+           "MemoryMonitor", "shared_monitor"]

@@ -10,9 +10,15 @@ shared psutil monitor), never less than the largest unit (one parameter's state 
 budget counts every byte of registered state whose memory is allocated, including reads ahead and writes still in
 flight; ``SwapSpace.peak_resident_bytes`` is the measured high-water mark.
 
-``NVMeCPUAdam`` is ``shardtensor.optim.CPUAdam`` with its moments in an ``NVMeOffload``: the Adam arithmetic is
-CPUAdam's own (so results are bit-identical); only *which* parameters' moments are in memory changes.  Not
-offloaded: the fp32 master that speculation keeps (``speculative=True``, 4 bytes/param) and the step counters.
+``NVMeOffload`` is a ``shardtensor.optim.state_store.StateStore``: ``NVMeCPUAdam`` is ``CPUAdam`` with
+``state_store=offload``, so the Adam arithmetic is CPUAdam's own (results are bit-identical); only *which*
+parameters' moments are in memory changes.  Not offloaded: the fp32 master that a non-fp32 or device parameter
+needs, the speculative copy of the master, and the step counters.
+
+Write failures (a full disk): the unit stays in memory, over the budget if it must, and the step completes; at
+the end of that ``step()`` the failures are raised as one ``OffloadWriteError`` naming the file(s) and the fix.
+Every failed write is kept by the swap layer until then, whichever thread applied it, so the outcome does not
+depend on timing; the state stays consistent and ``state_dict()`` saves it.  Later evictions retry the writes.
 
 Parameter shards on NVMe (``shard_module(..., offload=NVMeOffload(...))``) are not built yet.
 """
@@ -20,7 +26,6 @@ Parameter shards on NVMe (``shard_module(..., offload=NVMeOffload(...))``) are n
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -29,11 +34,20 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from shardtensor.optim import CPUAdam
+from shardtensor.optim.state_store import MOMENTS
 
 from .monitor import MemoryMonitor, shared_monitor
-from .swap import SwapHandle, SwapSpace
+from .swap import SwapError, SwapHandle, SwapSpace, SwapWriteError
 
-__all__ = ["NVMeOffload", "NVMeCPUAdam"]
+__all__ = ["NVMeOffload", "NVMeCPUAdam", "OffloadWriteError"]
+
+
+class OffloadWriteError(SwapError):
+    """Writes of offloaded state failed during a step (disk full, ...); the state is intact in memory."""
+
+    def __init__(self, msg: str, paths: list[str]):
+        super().__init__(msg)
+        self.paths = paths
 
 
 class NVMeOffload:
@@ -73,6 +87,9 @@ class NVMeOffload:
         self._units: dict[Any, list[SwapHandle]] = {}
         self._users: dict[Any, int] = {}
         self._lru: OrderedDict[Any, None] = OrderedDict()  # idle resident units, least recently used first
+        self._key_of: dict[str, Any] = {}  # handle name -> unit
+        self._unwritable: set = set()  # units whose write failed since the last end_step(): not evicted again
+        self._write_errors: list[SwapWriteError] = []  # failures not yet raised (by check_writes)
         self.evictions = 0
         self.prefetches = 0
 
@@ -95,16 +112,24 @@ class NVMeOffload:
             budget = max(self.effective_budget(), nbytes)
             while True:
                 self.swap.poll()
+                self._note_write_errors()
                 if self.swap.resident_bytes + nbytes <= budget:
                     return True
-                victim = next((k for k in self._lru if any(h.resident for h in self._units[k])), None)
+                victim = next((k for k in self._lru if k not in self._unwritable
+                               and any(h.resident for h in self._units[k])), None)
                 if victim is not None:
                     self._lru.pop(victim)
                     for h in self._units[victim]:
                         self.swap.swap_out(h)
                     self.evictions += 1
                     continue
-                if not block or not self.swap.wait_oldest():  # a write in flight frees memory when it lands
+                try:
+                    waited = block and self.swap.wait_oldest()  # a write in flight frees memory when it lands
+                except SwapWriteError:
+                    continue  # noted at the top of the loop; the unit stays resident
+                if not waited:
+                    if block and self._unwritable:
+                        return True  # over budget because writes failed: end_step() raises, nothing is lost
                     if block:
                         raise RuntimeError(
                             f"NVMeOffload: {nbytes} bytes do not fit the resident budget of {budget} bytes "
@@ -119,6 +144,7 @@ class NVMeOffload:
             if key in self._units:
                 raise ValueError(f"NVMeOffload.register: unit {key!r} is already registered")
             self._units[key] = [self.swap.register(f"{key}.{name}", t) for name, t in tensors.items()]
+            self._key_of.update({h.name: key for h in self._units[key]})
             self._users[key] = 0
             self._lru[key] = None
         self.make_room(0)
@@ -161,16 +187,20 @@ class NVMeOffload:
             for key in keys:
                 self._users[key] += 1
                 self._claim(key)
+        try:  # whatever fails below, the units are released: a failed step must not pin them forever
+            with self._lock:
+                for key in keys:
+                    need = self._claim(key)
+                    if need:
+                        self.make_room(need)
+                    for h in self._units[key]:
+                        self.swap.swap_in(h)
             for key in keys:
-                need = self._claim(key)
-                if need:
-                    self.make_room(need)
                 for h in self._units[key]:
-                    self.swap.swap_in(h)
-        try:
-            for key in keys:
-                for h in self._units[key]:
-                    self.swap.wait(h)
+                    try:
+                        self.swap.wait(h)
+                    except SwapWriteError:
+                        pass  # its earlier eviction's write failed: the data is in memory; end_step() reports it
                     if dirty:
                         self.swap.mark_dirty(h)
         except BaseException:
@@ -222,6 +252,10 @@ class NVMeOffload:
             self._units.clear()
             self._users.clear()
             self._lru.clear()
+            self._key_of.clear()
+            self._unwritable.clear()
+            self._write_errors.clear()
+            self.swap.take_write_errors()  # the files are gone: their failures no longer matter
 
     def flush(self) -> None:
         """Write every resident unit whose file is stale and wait: the files then hold the whole state."""
@@ -232,6 +266,74 @@ class NVMeOffload:
                         self.swap.swap_out(h)
                         self.swap.swap_in(h)  # keep it resident: this is a flush, not an eviction
             self.swap.sync()
+
+    # ------------------------------------------------------------------ write failures
+    def _note_write_errors(self) -> None:
+        """Mark the units of failed writes unwritable (not chosen for eviction again until ``end_step``)."""
+        for err in self.swap.take_write_errors():
+            self._write_errors.append(err)
+            key = self._key_of.get(err.name)
+            if key is not None:
+                self._unwritable.add(key)
+
+    def check_writes(self) -> None:
+        """Wait for the writes in flight, then raise every write failure since the last call as one
+        ``OffloadWriteError`` (the data of those units is in memory; nothing is lost)."""
+        for h in self.swap.handles:
+            if h.kind == "write":
+                with contextlib.suppress(SwapWriteError):
+                    self.swap.wait(h)
+        self._note_write_errors()
+        errors, self._write_errors = self._write_errors, []
+        over = max(0, self.swap.resident_bytes - self.effective_budget())
+        self._unwritable.clear()  # the next evictions retry: the disk may have room again
+        if errors:
+            paths = sorted({e.path for e in errors})
+            raise OffloadWriteError(
+                f"NVMeOffload: {len(errors)} write(s) of offloaded optimizer state failed in this step, e.g. file "
+                f"{paths[0]} ({len(paths)} file(s) under {self.swap.directory}): {errors[0]}.  The step was applied "
+                f"and the whole state is intact in memory ({over} bytes over the resident budget): save it with "
+                "optimizer.state_dict(); free space on that filesystem (or give NVMeOffload a larger one) and "
+                "training can go on: the writes are retried.",
+                paths,
+            )
+
+    # ------------------------------------------------------------------ StateStore (CPUAdam's moments)
+    def new_moments(self, key: int, shape: torch.Size) -> dict[str, torch.Tensor]:
+        """Zeroed moments in pageable memory (the swap layer frees a swapped-out tensor's storage, which pinned
+        memory does not allow), after making room for them in the budget."""
+        self.make_room(len(MOMENTS) * shape.numel() * 4)
+        return {k: torch.zeros(shape, dtype=torch.float32) for k in MOMENTS}
+
+    def track(self, key: int, state: dict) -> None:
+        for k in MOMENTS:
+            t = state[k]
+            if t.is_pinned() or not t.untyped_storage().resizable():
+                state[k] = t.clone()  # e.g. loaded into pinned memory: the swap layer needs pageable storage
+        self.register(key, {k: state[k] for k in MOMENTS})
+
+    def resident(self, keys: list[int]) -> contextlib.AbstractContextManager:
+        return self.use(keys)
+
+    def chunks(self, keys: list[int]) -> Iterator[list[int]]:
+        """``keys`` in chunks of at most half the budget, each resident while the caller's loop body runs; the
+        next chunk is read ahead meanwhile."""
+        plan = self.plan(keys)
+        self.prefetch(plan[0] if plan else [])
+        for k, chunk in enumerate(plan):
+            with self.use(chunk):
+                if k + 1 < len(plan):
+                    self.prefetch(plan[k + 1])
+                yield chunk
+
+    def export(self, key: int) -> Optional[dict[str, torch.Tensor]]:
+        return self.read_copy(key) if self.has(key) else None
+
+    def end_step(self) -> None:
+        self.check_writes()
+
+    def reset(self) -> None:
+        self.unregister_all()
 
     def stats(self) -> dict[str, int]:
         s = self.swap
@@ -248,93 +350,16 @@ class NVMeOffload:
             os.rmdir(self.swap.directory)
 
 
-_STATE_KEYS = ("exp_avg", "exp_avg_sq")
-
-
 class NVMeCPUAdam(CPUAdam):
     """``CPUAdam`` whose ``exp_avg`` / ``exp_avg_sq`` live in ``offload`` (files, within a resident budget).
 
-    Same arguments as ``CPUAdam`` plus ``offload``.  The arithmetic is CPUAdam's: steps run over chunks of
-    parameters whose state fits half the budget, the next chunk read ahead while one steps; speculative steps
-    (on CPUAdam's worker) make their one parameter's state resident for the step.
+    Same arguments as ``CPUAdam`` plus ``offload``; the same as ``CPUAdam(params, state_store=offload)``.  Steps
+    run over chunks of parameters whose state fits half the budget, the next chunk read ahead while one steps;
+    speculative steps (on CPUAdam's worker) make their one parameter's state resident for the step.
     """
 
     def __init__(self, params: Iterable, offload: NVMeOffload, **kwargs: Any):
         if not isinstance(offload, NVMeOffload):
             raise TypeError(f"NVMeCPUAdam: offload must be an NVMeOffload, got {type(offload).__name__}")
         self.offload = offload
-        super().__init__(params, **kwargs)
-
-    def _empty_host(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        # Pageable, resizable storage: the swap layer frees a swapped-out tensor's storage (resize_(0)), which
-        # neither pinned memory nor CPUAdam's huge-page mappings allow.
-        return torch.empty(shape, dtype=dtype)
-
-    # CPUAdam creates a slot's state lazily here; room is made first so the new state lands within budget.
-    def _slot(self, p: torch.Tensor):
-        slot = self._slots.get(id(p))
-        if slot is not None:
-            return slot
-        local = p.to_local() if hasattr(p, "to_local") else p
-        state = self.state[p]
-        fresh = "exp_avg" not in state
-        if fresh:
-            self.offload.make_room(2 * local.numel() * 4)
-        slot = super()._slot(p)
-        for key in _STATE_KEYS:
-            t = state[key]
-            if t.is_pinned() or not t.untyped_storage().resizable():
-                t = t.clone()  # pinned memory cannot be freed per tensor: the swap layer needs pageable storage
-                state[key] = t
-                setattr(slot, key, t)
-        self.offload.register(slot.index, {k: state[k] for k in _STATE_KEYS})
-        return slot
-
-    def _speculate_job(self, slot, hp, t) -> None:
-        with self.offload.use([slot.index]):
-            super()._speculate_job(slot, hp, t)
-
-    def _rollback_job(self, slot) -> None:
-        with self.offload.use([slot.index]):
-            super()._rollback_job(slot)
-
-    def _chunked(self, slots: list, *lists: list) -> Iterator[tuple]:
-        """Yield ``(slot_chunk, *list_chunks)`` with the chunk's state resident; read the next chunk ahead."""
-        order = {s.index: i for i, s in enumerate(slots)}
-        chunks = self.offload.plan([s.index for s in slots])
-        self.offload.prefetch(chunks[0] if chunks else [])
-        for k, keys in enumerate(chunks):
-            with self.offload.use(keys):
-                if k + 1 < len(chunks):
-                    self.offload.prefetch(chunks[k + 1])
-                idx = [order[key] for key in keys]
-                yield ([slots[i] for i in idx], *[[lst[i] for i in idx] for lst in lists])
-
-    def _step_batched(self, slots: list, grads: list) -> list:
-        hps: list = [None] * len(slots)
-        pos = {id(s): i for i, s in enumerate(slots)}
-        for chunk, chunk_grads in self._chunked(slots, grads):
-            for s, hp in zip(chunk, super()._step_batched(chunk, chunk_grads)):
-                hps[pos[id(s)]] = hp
-        return hps
-
-    def _rollback_batched(self, slots: list, grads: list, hps: list) -> None:
-        for chunk, chunk_grads, chunk_hps in self._chunked(slots, grads, hps):
-            CPUAdam._rollback_batched(chunk, chunk_grads, chunk_hps)
-
-    def state_dict(self) -> dict:
-        """CPUAdam's state dict with the offloaded moments as in-memory copies (read through the budget)."""
-        sd = super().state_dict()
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, state in list(sd["state"].items()):
-            slot = self._slots.get(id(params[i]))
-            if slot is not None and self.offload.has(slot.index):
-                # a new dict: torch packs the live per-parameter dicts, which must keep the offloaded tensors
-                sd["state"][i] = {**state, **self.offload.read_copy(slot.index)}
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load; the loaded moments are registered with the offload (and swapped out as the budget requires)
-        as each parameter's slot is rebuilt."""
-        self.offload.unregister_all()
-        super().load_state_dict(state_dict)
+        super().__init__(params, state_store=offload, **kwargs)

@@ -5,12 +5,11 @@ Contract:
     names the tensor and the file.  Waiting on a handle with nothing in flight returns at once: there is no
     "wait for the queue".  (DeepSpeed's swapper aborted on an assertion when it waited with nothing pending.)
   - The I/O threads take no lock of ours (only the buffer pool's queue, which never blocks them: there are as
-    many buffers as threads), so no wait here can hold a lock an I/O thread needs.  Raw reads and writes are
-    ``os.preadv`` / ``os.pwritev`` into page-aligned ``mmap`` buffers, and the tensor <-> buffer copies are torch
-    ops: both release the GIL, so an I/O thread never waits for a Python thread that waits for it.
+    many buffers as threads), so no wait here can hold a lock an I/O thread needs (``_swap_io`` says why).
   - A write is durable (``pwritev`` returned every byte, then ``fdatasync``) before its buffer goes back to the
-    pool and before the tensor's memory is freed.  A failed write (disk full, ...) raises a ``SwapError`` naming
-    the tensor and the file, and the tensor stays resident: the in-memory copy survives.
+    pool and before the tensor's memory is freed.  A failed write (disk full, ...) raises a ``SwapWriteError``
+    naming the tensor and the file, the tensor stays resident (the in-memory copy survives), and the error is
+    also kept for ``take_write_errors`` (a write nobody waits for must not fail silently).
   - A failed read (file removed, short read) raises a ``SwapError`` naming the tensor and the file; the tensor
     stays swapped out (its only copy is the file).
   - No stale data: the disk copy is stamped with the tensor's version counter and a generation the owner bumps
@@ -21,34 +20,36 @@ How memory is freed: a tensor keeps its identity (optimizer state dicts and clos
 storage is freed, ``untyped_storage().resize_(0)``, then re-allocated before a read; FSDP frees unsharded
 parameters the same way.  A swapped-out tensor must not be touched: ``SwapSpace`` tracks the state
 (``SwapState``) and whoever owns the tensor asks ``swap_in`` + ``wait`` first.
-
-Files hold the raw bytes, padded to ``align`` so that ``O_DIRECT`` (``direct=True``) can be used on a real
-NVMe drive; tmpfs and most test directories refuse ``O_DIRECT``, hence the default ``False``.
+Files hold the raw bytes, padded to ``align`` for ``O_DIRECT`` (``direct=True``, a real drive; not tmpfs).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
-import errno
 import itertools
-import mmap
 import os
-import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-__all__ = ["SwapError", "SwapSpace", "SwapHandle", "SwapState"]
+from ._swap_io import Buffers, Reader, Writer, read_file, write_file
 
-Writer = Callable[[int, list, int], int]  # os.pwritev(fd, buffers, offset) -> bytes written
-Reader = Callable[[int, list, int], int]  # os.preadv(fd, buffers, offset) -> bytes read
+__all__ = ["SwapError", "SwapWriteError", "SwapSpace", "SwapHandle", "SwapState"]
 
 
 class SwapError(RuntimeError):
     """An I/O request of the swap layer failed or timed out; the message names the tensor and the file."""
+
+
+class SwapWriteError(SwapError):
+    """A write failed (disk full, ...): the tensor stays resident, so nothing is lost; ``path`` is the file."""
+
+    def __init__(self, msg: str, path: str, name: str):
+        super().__init__(msg)
+        self.path, self.name = path, name
 
 
 class SwapState(enum.Enum):
@@ -85,25 +86,6 @@ class SwapHandle:
     @property
     def resident(self) -> bool:
         return self.state is not SwapState.SWAPPED
-
-
-class _Buffers:
-    """Fixed-size, page-aligned, reusable I/O buffers (``mmap`` is page-aligned), one per I/O thread."""
-
-    def __init__(self, count: int, nbytes: int):
-        self._free: queue.Queue = queue.Queue()
-        self._all = []
-        for _ in range(count):
-            mm = mmap.mmap(-1, nbytes)
-            self._all.append(mm)
-            self._free.put((mm, torch.frombuffer(mm, dtype=torch.uint8)))
-
-    def get(self):
-        # Never blocks for long: as many buffers as threads, and each request holds one buffer at a time.
-        return self._free.get(timeout=60.0)
-
-    def put(self, item) -> None:
-        self._free.put(item)
 
 
 class SwapSpace:
@@ -150,7 +132,7 @@ class SwapSpace:
         self.direct = direct
         self._writer: Writer = writer or os.pwritev
         self._reader: Reader = reader or os.preadv
-        self._buffers = _Buffers(workers, self.buffer_bytes)
+        self._buffers = Buffers(workers, self.buffer_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swap_io")
         self._lock = threading.RLock()  # bookkeeping only; never held across a wait, never taken by I/O threads
         self._handles: dict[str, SwapHandle] = {}
@@ -165,6 +147,9 @@ class SwapSpace:
         self.writes = 0
         self.reads = 0
         self.clean_drops = 0  # swap-outs that needed no write (the disk copy was current)
+        # Every failed write, whether or not a waiter saw it (``poll`` applies outcomes nobody waits for): an
+        # owner that must report write failures at a fixed point takes them with ``take_write_errors``.
+        self._write_errors: list[SwapWriteError] = []
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, tensor: torch.Tensor) -> SwapHandle:
@@ -287,9 +272,15 @@ class SwapSpace:
             err = e
         self._complete(handle, fut, err)
 
+    def take_write_errors(self) -> list[SwapWriteError]:
+        """The write failures since the last call (each once), oldest first."""
+        with self._lock:
+            errors, self._write_errors = self._write_errors, []
+        return errors
+
     def poll(self) -> None:
-        """Apply the outcome of every finished request (frees memory of finished writes).  Never blocks;
-        errors stay on their handles and are raised by the next ``wait`` on them."""
+        """Apply the outcome of every finished request (frees memory of finished writes).  Never blocks; a write
+        failure is kept for ``take_write_errors``, a read failure is raised by the next ``wait`` on the handle."""
         with self._lock:
             done = [(h, h.future) for h in self._inflight if h.future is not None and h.future.done()]
         for h, fut in done:
@@ -396,64 +387,13 @@ class SwapSpace:
                 kept = ("the tensor stays in memory" if action == "write"
                         else "the tensor stays swapped out")
                 msg = f"swap {action} of tensor {handle.name!r} (file {handle.path}) failed: {err!r}; {kept}"
-                handle.error = SwapError(msg)
+                handle.error = SwapWriteError(msg, handle.path, handle.name) if action == "write" else SwapError(msg)
+                if action == "write":
+                    self._write_errors.append(handle.error)
                 raise handle.error from err
 
-    def _open(self, path: str, flags: int) -> int:
-        if self.direct:
-            flags |= os.O_DIRECT
-        return os.open(path, flags, 0o600)
-
     def _write_job(self, name: str, path: str, src: torch.Tensor) -> None:
-        """I/O thread: tensor bytes -> aligned buffer -> file, chunk by chunk; durable before the buffer is reused."""
-        nbytes = src.numel()
-        mm, buf = self._buffers.get()
-        fd = -1
-        try:
-            fd = self._open(path, os.O_WRONLY | os.O_CREAT)
-            view = memoryview(mm)
-            offset = 0
-            while offset < nbytes:
-                n = min(self.buffer_bytes, nbytes - offset)
-                buf[:n].copy_(src[offset : offset + n])  # a torch copy: releases the GIL
-                padded = -(-n // self.align) * self.align
-                if padded > n:
-                    buf[n:padded].zero_()
-                done = 0
-                while done < padded:  # a short write is retried from where it stopped
-                    wrote = self._writer(fd, [view[done:padded]], offset + done)
-                    if wrote <= 0:
-                        raise OSError(errno.EIO, f"pwritev wrote {wrote} bytes at offset {offset + done}")
-                    done += wrote
-                offset += n
-            if self.durable:
-                os.fdatasync(fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            self._buffers.put((mm, buf))  # only now: pwritev (and fdatasync) are done with it
+        write_file(path, src, self._buffers, self._writer, self.align, self.buffer_bytes, self.direct, self.durable)
 
     def _read_job(self, name: str, path: str, dst: torch.Tensor) -> None:
-        """I/O thread: file -> aligned buffer -> tensor, chunk by chunk; a short file or read is an error."""
-        nbytes = dst.numel()
-        mm, buf = self._buffers.get()
-        fd = -1
-        try:
-            fd = self._open(path, os.O_RDONLY)
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise OSError(errno.EIO, f"short file: {size} bytes on disk, {nbytes} expected")
-            view = memoryview(mm)
-            offset = 0
-            while offset < nbytes:
-                n = min(self.buffer_bytes, nbytes - offset)
-                padded = min(-(-n // self.align) * self.align, self.buffer_bytes)
-                got = self._reader(fd, [view[:padded]], offset)
-                if got < n:
-                    raise OSError(errno.EIO, f"short read: {got} of {n} bytes at offset {offset}")
-                dst[offset : offset + n].copy_(buf[:n])
-                offset += n
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            self._buffers.put((mm, buf))
+        read_file(path, dst, self._buffers, self._reader, self.align, self.buffer_bytes, self.direct)

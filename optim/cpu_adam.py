@@ -1,12 +1,21 @@
 """CPUAdam: AdamW whose state lives in CPU memory, stepped speculatively while backward runs, rolled back exactly.
 
+Modules: this one holds the optimizer (setup, ``step()``, ``rollback()``, state dicts); ``_speculation`` the
+hook/worker half and its phase enum; ``_slots`` the per-parameter bookkeeping and gradient staging; ``_adam_math``
+the arithmetic; ``state_store`` where the moments live (host memory, or ``shardtensor.offload.NVMeOffload``).
+
 Trade-offs:
   + optimizer state (fp32 master, exp_avg, exp_avg_sq: 12 bytes/param) leaves the accelerator;
   + with ``speculative=True`` each parameter steps on a CPU worker as soon as its gradient is final, so the step
     overlaps backward; clipping and inf/NaN are validated afterwards and undone by algebraic inversion;
   - speculation keeps a separate fp32 master and a gradient snapshot per parameter (8 bytes/param more on a
-    CPU-only model), and a rollback costs a pass over the state (rare by design: see ``clip_patience``);
-  - gradients must be final when the post-accumulate-grad hook fires.  See [Note: speculation rules].
+    CPU-only model, allocated on the first speculative step), and a rollback costs a pass over the state (rare
+    by design: see ``clip_patience``);
+  - gradients must be final when the post-accumulate-grad hook fires.  See [Note: speculation rules];
+  - the inf/NaN check (``skip_nonfinite``) is a read of each gradient torch's step does not make: the fused
+    kernel's ``found_inf`` only *skips* on a flag computed elsewhere, and a non-finite element destroys its m, v
+    (step-then-undo is not exact).  It rides on the clipping norm or the speculative worker (during backward)
+    where they run, and is its own pass otherwise; ``skip_nonfinite=False`` drops it.
 
 [Note: speculation rules]
 1. Parameters change only inside ``step()`` and ``rollback()``: a speculative step updates the host master and
@@ -38,134 +47,23 @@ Trade-offs:
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from shardtensor import _comm
-
-from ._host_memory import empty_host
 from ._adam_math import Hyper, adamw_rollback_, adamw_step_, finite_checks, hyper_of, sq_norms
+from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
+    local_of, self_mastered, stage_grad
+from ._speculation import SpecPhase, SpeculationMixin
+from .state_store import MOMENTS, HostStore, StateStore
 
 __all__ = ["CPUAdam", "SpeculationStats"]
 
 _ONE = torch.tensor(1.0)  # step-count increment (torch.optim's fused path does the same)
 
-_SHARDED_TYPE: Any = None
 
-
-def _is_sharded(t: torch.Tensor) -> bool:
-    """A ShardedParam (or its sharded grad): step its local dim-0 shard; its norm is summed across ranks.
-
-    The import is lazy and optional so the optimizer works before (or without) ``shardtensor.tensor``.
-    """
-    global _SHARDED_TYPE
-    if _SHARDED_TYPE is None:
-        try:
-            from shardtensor.tensor import ShardedParam  # noqa: PLC0415
-
-            _SHARDED_TYPE = ShardedParam
-        except Exception:  # noqa: BLE001 - core not there yet: fall back to duck typing
-            _SHARDED_TYPE = False
-    if _SHARDED_TYPE:
-        return isinstance(t, _SHARDED_TYPE)
-    return hasattr(t, "to_local")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_sharded(t) else t
-
-
-@dataclass
-class SpeculationStats:
-    """Counters (cumulative).  ``*_steps`` count ``step()`` calls; ``*_params`` count parameter-steps."""
-
-    steps: int = 0  # step() calls
-    speculated_steps: int = 0  # steps in which at least one parameter stepped speculatively
-    committed_steps: int = 0  # ... and every speculation stood
-    rolled_back_steps: int = 0  # steps in which at least one speculation was rolled back
-    clipped_steps: int = 0
-    skipped_steps: int = 0  # inf/NaN gradient somewhere (on any rank): nothing applied
-    paused_steps: int = 0  # steps with speculation paused after repeated clipping
-    speculated_params: int = 0
-    rolled_back_params: int = 0
-    early_clip_halts: int = 0  # steps in which speculation stopped once clipping was certain
-    user_rollbacks: int = 0  # rollback() calls
-
-
-@dataclass(eq=False)
-class _Slot:
-    """Host-side home of one parameter (names say where data lives: ``host`` = CPU, ``local`` = this rank)."""
-
-    param: torch.Tensor
-    index: int  # position in param-group order: norm sums run in this order on every path
-    group: dict
-    sharded: bool
-    device: torch.device  # where the parameter's local shard lives
-    master_host: Optional[torch.Tensor]  # fp32 CPU; None when the parameter's own CPU fp32 storage is the master
-    exp_avg: torch.Tensor  # fp32 CPU, local shape
-    exp_avg_sq: torch.Tensor  # fp32 CPU, local shape
-    step_t: torch.Tensor  # 0-d fp32 CPU (the layout torch's fused kernel wants)
-    grad_host: Optional[torch.Tensor] = None  # fp32 CPU (pinned on CUDA): snapshot / conversion buffer
-    grad_pinned: Optional[torch.Tensor] = None  # pinned, grad dtype, when that is not fp32 (CUDA only)
-    stage_pinned: Optional[torch.Tensor] = None  # pinned, param dtype, for the H2D write-back of a non-fp32 param
-    d2h_event: Any = None  # CUDA event of the snapshot copy
-    # per-step speculation bookkeeping (reset by step())
-    hooks: int = 0
-    queued: bool = False  # a speculative job was submitted this step
-    spec_hp: Optional[Hyper] = None  # set by the worker when the speculative step was applied
-    grad_key: Optional[tuple] = None  # (data_ptr, _version) of the gradient that was snapshotted
-    sumsq: Optional[float] = None
-
-    def master(self) -> torch.Tensor:
-        if self.master_host is not None:
-            return self.master_host
-        return _local(self.param) if self.sharded else self.param
-
-    def grad_local(self) -> Optional[torch.Tensor]:
-        g = self.param.grad
-        if g is None or not self.sharded:
-            return g  # a plain parameter's grad is plain
-        if not _is_sharded(g):
-            # See [Note: speculation rules] 6: the sharded grad must be in place; a full grad here is a bug upstream.
-            raise AssertionError(
-                f"ShardedParam #{self.index} has a non-sharded grad {type(g).__name__} {tuple(g.shape)=}: "
-                "the core's reducer must set a sharded grad before the optimizer steps"
-            )
-        return _local(g)
-
-
-@dataclass
-class _LastStep:
-    """What ``rollback()`` needs: the stepped slots, the gradients they used, and their hyper-parameters."""
-
-    slots: list
-    grads: list
-    hps: list
-    grad_keys: list = field(default_factory=list)
-
-
-def _key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version)
-
-
-def _hypers(slots) -> list:
-    """Each slot's hyper-parameters, read once per param group (hot: every step, every parameter)."""
-    per_group: dict = {}
-    out = []
-    for s in slots:
-        hp = per_group.get(id(s.group))
-        if hp is None:
-            hp = per_group[id(s.group)] = hyper_of(s.group)
-        out.append(hp)
-    return out
-
-
-class CPUAdam(torch.optim.Optimizer):
+class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with its state in CPU memory; see the module docstring.
 
     Args:
@@ -178,11 +76,12 @@ class CPUAdam(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm (all ranks) to this; None: no clipping. (Default: None)
         speculative: step each parameter on a CPU worker when its gradient is ready. (Default: True)
         skip_nonfinite: skip the whole step when a gradient (on any rank) holds inf/NaN; False gives torch's
-            AdamW behaviour (NaN propagates) and saves the pass over the gradients that the check costs when no
+            AdamW behaviour (NaN propagates) and saves the read of the gradients that the check costs when no
             clipping needs the norm anyway. (Default: True)
         clip_patience: pause speculation after this many clipped steps in a row. (Default: 3)
         process_group: group over which sharded norms and the inf/NaN flag are reduced. (Default: None = world)
         timeout_s: longest wait for one worker job before raising. (Default: 300)
+        state_store: where ``exp_avg`` / ``exp_avg_sq`` live (``state_store.StateStore``). (Default: host memory)
     """
 
     def __init__(
@@ -199,11 +98,15 @@ class CPUAdam(torch.optim.Optimizer):
         clip_patience: int = 3,
         process_group: Any = None,
         timeout_s: float = 300.0,
+        state_store: Optional[StateStore] = None,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters: {lr=} {betas=} {eps=} {weight_decay=}")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None: {max_grad_norm=}")
+        if state_store is not None and not isinstance(state_store, StateStore):
+            raise TypeError(f"CPUAdam: state_store must implement optim.state_store.StateStore, got "
+                            f"{type(state_store).__name__}")
         # Set before Optimizer.__init__, which calls our add_param_group.
         self.speculative = speculative
         self.max_grad_norm = max_grad_norm
@@ -213,25 +116,17 @@ class CPUAdam(torch.optim.Optimizer):
         self.timeout_s = timeout_s
         self.stats = SpeculationStats()
         self.last_grad_norm = math.nan  # global gradient norm of the last step (with max_grad_norm only)
-        self._slots: dict[int, _Slot] = {}  # id(param) -> slot, created lazily (meta-device models materialise late)
+        self._pinned = torch.cuda.is_available()  # pinned host buffers: asynchronous device copies
+        self._store: StateStore = state_store if state_store is not None else HostStore(self._pinned)
+        self._slots: dict[int, Slot] = {}  # id(param) -> slot, created lazily (meta-device models materialise late)
         self._order: dict[int, int] = {}  # id(param) -> index
         self._groups_by_id: Optional[dict[int, dict]] = None
         self._hook_handles: list = []
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._futures: list[tuple[concurrent.futures.Future, _Slot]] = []
-        self._halted = False  # a non-finite gradient was seen this step: no more speculation until step()
-        self._spec_count = 0  # speculative steps applied this step (worker)
-        self._spec_sumsq = 0.0  # worker's running sum of squared norms this step
-        self._rolled_in_hooks = False  # a hook rolled back a speculation this step (rule 5)
-        self._accumulating = False
-        self._expected_hooks = 1
         self._clip_streak = 0
-        self._last: Optional[_LastStep] = None
-        self._pinned = torch.cuda.is_available()
-        self._d2h_stream: Any = None  # side stream: snapshot copies overlap backward on the compute stream
+        self._last: Optional[LastStep] = None
         self._h2d_event: Any = None  # write-back of the last step: masters may not change before it completes
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        self._init_speculation()
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     # ------------------------------------------------------------------ setup
 
@@ -253,53 +148,29 @@ class CPUAdam(torch.optim.Optimizer):
         except KeyError:
             raise AssertionError(f"parameter {tuple(p.shape)} is in no param group of this optimizer") from None
 
-    def _empty_host(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        # Pinned once per parameter, never per step: pinning (page-locking) costs more than the copy it speeds up.
-        return empty_host(shape, dtype, pin_memory=self._pinned)
-
-    def _slot(self, p: torch.Tensor) -> _Slot:
+    def _slot(self, p: torch.Tensor) -> Slot:
         slot = self._slots.get(id(p))
         if slot is not None:
             return slot
-        sharded = _is_sharded(p)
         with torch.no_grad():
-            local = _local(p).detach()
+            local = local_of(p).detach()
+            index = self._order[id(p)]
             state = self.state[p]
             if "exp_avg" not in state:
                 state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = self._empty_host(local.shape).zero_()
-                state["exp_avg_sq"] = self._empty_host(local.shape).zero_()
-            # The parameter's own storage is the master when it already is CPU fp32 and nothing may observe the
-            # master ahead of step() (rule 1 of [Note: speculation rules] forbids that under speculation).
-            aliased = (
-                not self.speculative and local.device.type == "cpu" and local.dtype == torch.float32
-                and local.is_contiguous()
-            )
-            if not aliased and "master" not in state:
-                master = self._empty_host(local.shape)
-                master.copy_(local)
-                state["master"] = master
-            slot = _Slot(
-                param=p, index=self._order[id(p)], group=self._group_of(p), sharded=sharded, device=local.device,
-                master_host=None if aliased else state["master"], exp_avg=state["exp_avg"],
-                exp_avg_sq=state["exp_avg_sq"], step_t=state["step"],
-            )
+                state.update(self._store.new_moments(index, local.shape))
+            own = self_mastered(local)  # see _slots: a CPU fp32 parameter is its own master
+            if own:
+                state.pop("master", None)
+            elif "master" not in state:
+                state["master"] = torch.empty(local.shape, dtype=torch.float32, pin_memory=self._pinned)
+                state["master"].copy_(local)
+            self._store.track(index, state)
+            slot = Slot(param=p, index=index, group=self._group_of(p), sharded=is_sharded(p),
+                        master_host=None if own else state["master"], exp_avg=state["exp_avg"],
+                        exp_avg_sq=state["exp_avg_sq"], step_t=state["step"])
         self._slots[id(p)] = slot
         return slot
-
-    # ------------------------------------------------------------------ speculation (hook thread / worker)
-
-    @contextlib.contextmanager
-    def accumulating(self) -> Iterator[None]:
-        """Backward passes inside do not speculate: declare the non-final micro-batches of an accumulation."""
-        prev, self._accumulating = self._accumulating, True
-        try:
-            yield
-        finally:
-            self._accumulating = prev
-
-    def _may_speculate(self) -> bool:
-        return self.speculative and not self._halted and not self._accumulating and not self._paused()
 
     def _check(self, grads: list[torch.Tensor]) -> list[float]:
         """Squared norms when clipping needs them; else only finiteness (0.0 / inf); else nothing (0.0)."""
@@ -312,225 +183,11 @@ class CPUAdam(torch.optim.Optimizer):
     def _paused(self) -> bool:
         return self.max_grad_norm is not None and self._clip_streak >= self.clip_patience
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: snapshot the gradient and queue its speculative step."""
-        self._last = None  # a new backward overwrites the snapshots rollback() would need
-        if self._accumulating:
-            return
-        slot = self._slot(p)
-        slot.hooks += 1
-        if slot.queued:
-            # More micro-batches than expected: the queued step used a partial gradient.  Undo it (FIFO worker:
-            # it runs after the step it undoes); step() steps this parameter from its final gradient.
-            slot.queued = False
-            self._rolled_in_hooks = True
-            self._submit(self._rollback_job, slot)
-            return
-        if not self._may_speculate() or slot.hooks != self._expected_hooks:
-            return
-        g = slot.grad_local()
-        if g is None:
-            return
-        with torch.no_grad():
-            self._snapshot(slot, g)
-        slot.grad_key = _key(g)
-        slot.queued = True
-        hp = hyper_of(slot.group)
-        t = int(slot.step_t.item()) + 1
-        self._submit(self._speculate_job, slot, hp, t)
-
-    def _snapshot(self, slot: _Slot, g: torch.Tensor) -> None:
-        if slot.grad_host is None:
-            slot.grad_host = self._empty_host(g.shape)
-        if g.device.type == "cuda":
-            if g.dtype != torch.float32 and slot.grad_pinned is None:
-                slot.grad_pinned = self._empty_host(g.shape, g.dtype)
-            dst = slot.grad_pinned if g.dtype != torch.float32 else slot.grad_host
-            if self._d2h_stream is None:
-                self._d2h_stream = torch.cuda.Stream(device=g.device)
-            self._d2h_stream.wait_stream(torch.cuda.current_stream(g.device))
-            with torch.cuda.stream(self._d2h_stream):
-                dst.copy_(g, non_blocking=True)
-                g.record_stream(self._d2h_stream)  # the caching allocator must not reuse g before the copy
-                slot.d2h_event = torch.cuda.Event()
-                slot.d2h_event.record(self._d2h_stream)
-        else:
-            slot.grad_host.copy_(g)
-
-    def _submit(self, fn: Callable, slot: _Slot, *args: Any) -> None:
-        if self._executor is None:
-            # One worker: jobs of one parameter (step, then its rollback) run in submission order.
-            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu_adam")
-        self._futures.append((self._executor.submit(fn, slot, *args), slot))
-
-    def _host_grad_ready(self, slot: _Slot) -> torch.Tensor:
-        """The snapshot, once its device-to-host copy landed (worker side)."""
-        if slot.d2h_event is not None:
-            slot.d2h_event.synchronize()
-            slot.d2h_event = None
-            if slot.grad_pinned is not None:
-                slot.grad_host.copy_(slot.grad_pinned)
-        return slot.grad_host
-
     def _wait_write_back(self) -> None:
         if self._h2d_event is not None:
             self._h2d_event.synchronize()  # the previous step's H2D reads the masters / staging buffers
 
-    @torch.no_grad()
-    def _speculate_job(self, slot: _Slot, hp: Hyper, t: int) -> None:
-        g = self._host_grad_ready(slot)
-        slot.sumsq = self._check([g])[0]
-        if not math.isfinite(slot.sumsq):
-            self._halted = True  # never step a non-finite gradient; nothing else speculates this step
-            return
-        if self._halted:
-            return
-        self._spec_sumsq += slot.sumsq
-        if self.max_grad_norm is not None and self._spec_sumsq > self.max_grad_norm**2:
-            # Clipping is already certain (this rank's part of the global sum of squares is a lower bound):
-            # what we would step now would only be rolled back.  Rule 3's halt, for clipping.
-            self._halted = True
-            self.stats.early_clip_halts += 1
-            return
-        self._wait_write_back()
-        slot.step_t.fill_(t)
-        adamw_step_([slot.master()], [g], [slot.exp_avg], [slot.exp_avg_sq], [slot.step_t], hp)
-        slot.spec_hp = hp
-        self._spec_count += 1
-        self.stats.speculated_params += 1
-
-    @torch.no_grad()
-    def _rollback_job(self, slot: _Slot) -> None:
-        if slot.spec_hp is not None:
-            adamw_rollback_([slot.master()], [slot.grad_host], [slot.exp_avg], [slot.exp_avg_sq], [slot.step_t],
-                            slot.spec_hp)
-            slot.spec_hp = None
-            self.stats.rolled_back_params += 1
-        slot.sumsq = None
-
-    def _drain(self) -> None:
-        """Wait for every submitted job (each wait is on a future we submitted, with a timeout)."""
-        futures, self._futures = self._futures, []
-        for fut, slot in futures:
-            try:
-                fut.result(timeout=self.timeout_s)
-            except concurrent.futures.TimeoutError as e:
-                raise RuntimeError(
-                    f"rank {_comm.rank()}: CPUAdam worker job for parameter #{slot.index} "
-                    f"{tuple(slot.param.shape)} did not finish in {self.timeout_s=}s"
-                ) from e
-
     # ------------------------------------------------------------------ step
-
-    def _host_grads(self, slots: list[_Slot]) -> list[torch.Tensor]:
-        """CPU fp32 gradients of non-speculated slots: the grad itself when it is one, else a copy we own."""
-        out = []
-        cuda_copies = False
-        for slot in slots:
-            g = slot.grad_local()
-            if g.is_cpu and g.dtype is torch.float32 and g.is_contiguous():
-                out.append(g)
-                continue
-            if slot.grad_host is None:
-                slot.grad_host = self._empty_host(g.shape)
-            if g.device.type == "cuda" and g.dtype != torch.float32:
-                if slot.grad_pinned is None:
-                    slot.grad_pinned = self._empty_host(g.shape, g.dtype)
-                slot.grad_pinned.copy_(g, non_blocking=True)
-                cuda_copies = True
-            else:
-                slot.grad_host.copy_(g, non_blocking=g.device.type == "cuda")
-                cuda_copies |= g.device.type == "cuda"
-            out.append(slot.grad_host)
-        if cuda_copies:
-            torch.cuda.synchronize()  # one wait for every D2H copy above (a CPU-GPU sync point)
-            for slot in slots:
-                if slot.grad_pinned is not None and slot.device.type == "cuda" and slot.param.grad.dtype != torch.float32:
-                    slot.grad_host.copy_(slot.grad_pinned)
-        return out
-
-    def _global_norm(self, slots: list[_Slot]) -> tuple[bool, float]:
-        """(all finite on every rank, global L2 norm).  One all-reduce: [sharded sumsq, replicated sumsq, #nonfinite].
-
-        Replicated contributions are averaged over ranks (identical when the grads are, as data parallelism makes
-        them); whatever they are, every rank reaches the same decision.
-        """
-        if self.max_grad_norm is None and not self.skip_nonfinite:
-            return True, math.nan  # nothing to validate: no collective either
-        sharded = replicated = 0.0
-        nonfinite = 0
-        for slot in slots:  # param order: same summation order on every path
-            if not math.isfinite(slot.sumsq):
-                nonfinite += 1
-            elif slot.sharded:
-                sharded += slot.sumsq
-            else:
-                replicated += slot.sumsq
-        buf = torch.tensor([sharded, replicated, float(nonfinite)], dtype=torch.float64)
-        _comm.all_reduce(buf, self.process_group, op="sum")
-        world = _comm.world_size(self.process_group)
-        total = float(buf[0]) + float(buf[1]) / world
-        return float(buf[2]) == 0 and math.isfinite(total), math.sqrt(total) if math.isfinite(total) else math.inf
-
-    @torch.no_grad()
-    def _step_batched(self, slots: list[_Slot], grads: list[torch.Tensor]) -> list[Hyper]:
-        """Step ``slots`` with ``grads``, one fused call per param group; returns each slot's hyper-parameters."""
-        self._wait_write_back()
-        hps = _hypers(slots)
-        by_group: dict[int, list[int]] = {}
-        for i, s in enumerate(slots):
-            by_group.setdefault(id(s.group), []).append(i)
-        for idx in by_group.values():
-            steps = [slots[i].step_t for i in idx]
-            torch._foreach_add_(steps, _ONE, alpha=1.0)  # the tensor overload: 3x cheaper than a Python scalar
-            adamw_step_([slots[i].master() for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
-                        [slots[i].exp_avg_sq for i in idx], steps, hps[idx[0]])
-        return hps
-
-    @staticmethod
-    @torch.no_grad()
-    def _rollback_batched(slots: list[_Slot], grads: list[torch.Tensor], hps: list[Hyper]) -> None:
-        by_hp: dict[Hyper, list[int]] = {}
-        for i, hp in enumerate(hps):
-            by_hp.setdefault(hp, []).append(i)
-        for hp, idx in by_hp.items():
-            adamw_rollback_([slots[i].master() for i in idx], [grads[i] for i in idx],
-                            [slots[i].exp_avg for i in idx], [slots[i].exp_avg_sq for i in idx],
-                            [slots[i].step_t for i in idx], hp)
-
-    @torch.no_grad()
-    def _write_back(self, slots: list[_Slot]) -> None:
-        """Copy updated masters into the parameters (asynchronously from pinned memory on CUDA)."""
-        cuda = False
-        for slot in slots:
-            if slot.master_host is None:
-                continue  # the parameter is its own master
-            local = _local(slot.param)
-            if local.device.type == "cuda":
-                cuda = True
-                src = slot.master_host
-                if local.dtype != torch.float32:
-                    if slot.stage_pinned is None:
-                        slot.stage_pinned = self._empty_host(local.shape, local.dtype)
-                    src = slot.stage_pinned.copy_(slot.master_host)  # cast on the CPU: half the bytes cross
-                local.copy_(src, non_blocking=True)
-            else:
-                local.copy_(slot.master_host)
-        if cuda:
-            self._h2d_event = torch.cuda.Event()
-            self._h2d_event.record()
-
-    def _reset_step_bookkeeping(self, slots: Iterable[_Slot]) -> None:
-        for slot in slots:
-            slot.hooks = 0
-            slot.queued = False
-            slot.spec_hp = None
-            slot.grad_key = None
-            slot.sumsq = None
-        self._halted = False
-        self._spec_count = 0
-        self._spec_sumsq = 0.0
-        self._rolled_in_hooks = False
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -543,68 +200,132 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._drain()
-        stats = self.stats
-        stats.steps += 1
+        self._to_phase(SpecPhase.VALIDATING)
+        speculated, paused = self._spec_count > 0, self._paused()
         all_slots = [self._slot(p) for g in self.param_groups for p in g["params"]]
         slots = sorted((s for s in all_slots if s.param.grad is not None), key=lambda s: s.index)
-        speculated = self._spec_count > 0
-        rolled_back = self._rolled_in_hooks
-        paused = self._paused()
-
-        # Speculations redone whatever the norm says: the gradient changed since its snapshot (rule 5), or the
-        # group's hyper-parameters did (rule 4).
+        rolled_back = self._redo_changed_speculations(slots) or self._rolled_in_hooks
         spec = [s for s in slots if s.spec_hp is not None]
-        redo = [s for s in spec if _key(s.grad_local()) != s.grad_key or hyper_of(s.group) != s.spec_hp]
-        if redo:
-            self._undo_speculation(redo)
-            spec = [s for s in spec if s.spec_hp is not None]
-            rolled_back = True
         rest = [s for s in slots if s.spec_hp is None]
-        rest_grads = self._host_grads(rest)
-        for s, sq in zip(rest, self._check(rest_grads)):
-            s.sumsq = sq
+        grads = self._host_grads(spec, rest)
         finite, norm = self._global_norm(slots)
         clip = finite and self.max_grad_norm is not None and self.max_grad_norm / (norm + 1e-6) < 1.0
-
-        grads = {id(s): s.grad_host for s in spec}
-        grads.update({id(s): g for s, g in zip(rest, rest_grads)})
-        if (not finite or clip) and spec:
+        if spec and (not finite or clip):
             self._undo_speculation(spec)
             rolled_back = True
         if finite:
-            to_step = slots if clip else rest
-            step_grads = [grads[id(s)] for s in to_step]
-            if clip:  # clip_grad_norm_'s rule and arithmetic
-                torch._foreach_mul_(step_grads, self.max_grad_norm / (norm + 1e-6))
-            step_hps = self._step_batched(to_step, step_grads)
-            self._write_back(slots)  # committed speculations too: they updated only the host master
-            used = [grads[id(s)] for s in slots]
-            hps = step_hps if len(to_step) == len(slots) else _hypers(slots)  # to_step is slots or a subset
-            self._last = _LastStep(slots, used, hps, [_key(g) for g in used])
+            self._apply(slots, slots if clip else rest, grads, self.max_grad_norm / (norm + 1e-6) if clip else None)
         else:
-            stats.skipped_steps += 1
             self._last = None
-
-        if speculated:
-            stats.speculated_steps += 1
-            stats.committed_steps += not rolled_back
-        stats.rolled_back_steps += rolled_back
-        stats.clipped_steps += clip
-        stats.paused_steps += paused
+        self.stats.record_step(speculated, rolled_back, clip, paused, skipped=not finite)
         if finite and self.max_grad_norm is not None:
             self._clip_streak = self._clip_streak + 1 if clip else 0  # rule 7
         hooks_seen = max((s.hooks for s in all_slots), default=0)
         if hooks_seen:
             self._expected_hooks = hooks_seen  # rule 5
-        self._reset_step_bookkeeping(all_slots)
+        self._end_speculation(all_slots)
         self.last_grad_norm = norm if self.max_grad_norm is not None else math.nan  # only clipping computes it
+        self._store.end_step()  # raises what the store's background I/O hit in this step (state is consistent)
         return loss
 
-    def _undo_speculation(self, slots: list[_Slot]) -> None:
-        self._rollback_batched(slots, [s.grad_host for s in slots], [s.spec_hp for s in slots])
-        self.stats.rolled_back_params += len(slots)
+    def _redo_changed_speculations(self, slots: list[Slot]) -> bool:
+        """Undo speculations whatever the norm says: the gradient changed since its snapshot (rule 5), or the
+        group's hyper-parameters did (rule 4).  Returns whether any was undone."""
+        redo = [s for s in slots if s.spec_hp is not None
+                and (grad_key(s.grad_local()) != s.grad_key or hyper_of(s.group) != s.spec_hp)]
+        if redo:
+            self._undo_speculation(redo)
+        return bool(redo)
+
+    def _host_grads(self, spec: list[Slot], rest: list[Slot]) -> dict[int, torch.Tensor]:
+        """id(slot) -> CPU fp32 gradient: the snapshot of a speculation; for the rest the gradient itself when it
+        is one, else a staged copy (all copies issued before the first wait).  Checks the rest (sumsq)."""
+        out = {id(s): s.grad_host for s in spec}
+        staged = []
+        for s in rest:
+            g = s.grad_local()
+            if self_mastered(g):
+                out[id(s)] = g
+            else:
+                stage_grad(s, g, self._pinned)
+                staged.append(s)
+        for s in staged:
+            out[id(s)] = host_grad(s)
+        for s, sq in zip(rest, self._check([out[id(s)] for s in rest])):
+            s.sumsq = sq
+        return out
+
+    def _global_norm(self, slots: list[Slot]) -> tuple[bool, float]:
+        if self.max_grad_norm is None and not self.skip_nonfinite:
+            return True, math.nan  # nothing to validate: no collective either
+        return global_norm(slots, self.process_group)
+
+    def _apply(self, slots: list[Slot], to_step: list[Slot], grads: dict, coef: Optional[float]) -> None:
+        """Step ``to_step`` (clipped by ``coef``), write every slot back, and remember what rollback() needs."""
+        step_grads = [grads[id(s)] for s in to_step]
+        if coef is not None:  # clip_grad_norm_'s rule and arithmetic
+            torch._foreach_mul_(step_grads, coef)
+        step_hps = self._step_batched(to_step, step_grads)
+        stepped = {id(s) for s in to_step}
+        self._write_back(slots, committed=[s for s in slots if id(s) not in stepped])
+        used = [grads[id(s)] for s in slots]
+        hps = step_hps if len(to_step) == len(slots) else hypers(slots)  # to_step is slots or a subset
+        self._last = LastStep(slots, used, hps, [grad_key(g) for g in used])
+
+    def _by_chunk(self, slots: list[Slot], key: Callable[[int], Any]) -> Iterable[list[int]]:
+        """Positions in ``slots``, resident chunk by chunk (the store's plan), grouped by ``key(position)``."""
+        pos = {s.index: i for i, s in enumerate(slots)}
+        for keys in self._store.chunks([s.index for s in slots]):
+            groups: dict[Any, list[int]] = {}
+            for k in keys:
+                groups.setdefault(key(pos[k]), []).append(pos[k])
+            yield from groups.values()
+
+    @torch.no_grad()
+    def _step_batched(self, slots: list[Slot], grads: list[torch.Tensor]) -> list[Hyper]:
+        """Step ``slots`` with ``grads`` on their masters, one fused call per param group and resident chunk."""
+        self._wait_write_back()
+        hps = hypers(slots)
+        for idx in self._by_chunk(slots, lambda i: id(slots[i].group)):
+            steps = [slots[i].step_t for i in idx]
+            torch._foreach_add_(steps, _ONE, alpha=1.0)  # the tensor overload: 3x cheaper than a Python scalar
+            adamw_step_([slots[i].master() for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
+                        [slots[i].exp_avg_sq for i in idx], steps, hps[idx[0]])
         for s in slots:
-            s.spec_hp = None
+            s.scratch_current = False  # a self-mastered parameter moved; its speculative copy did not
+        return hps
+
+    @torch.no_grad()
+    def _rollback_batched(self, slots: list[Slot], grads: list[torch.Tensor], hps: list[Hyper],
+                          masters: list[torch.Tensor]) -> None:
+        """Invert steps of ``slots`` (which updated ``masters`` with ``grads``), one call per hyper-parameter set."""
+        for idx in self._by_chunk(slots, lambda i: hps[i]):
+            adamw_rollback_([masters[i] for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
+                            [slots[i].exp_avg_sq for i in idx], [slots[i].step_t for i in idx], hps[idx[0]])
+
+    @torch.no_grad()
+    def _write_back(self, slots: list[Slot], committed: list[Slot]) -> None:
+        """Copy updated masters into the parameters (asynchronously from pinned memory on CUDA): every slot with
+        a master of its own, and the committed speculations of self-mastered ones."""
+        cuda = False
+        for slot in slots:
+            if slot.master_host is None:
+                continue
+            local = slot.local()
+            src = slot.master_host
+            if local.device.type == "cuda":
+                cuda = True
+                if local.dtype != torch.float32:
+                    if slot.stage_pinned is None:
+                        slot.stage_pinned = torch.empty(local.shape, dtype=local.dtype, pin_memory=self._pinned)
+                    src = slot.stage_pinned.copy_(src)  # cast on the CPU: half the bytes cross
+            local.copy_(src, non_blocking=local.device.type == "cuda")
+        for slot in committed:
+            if slot.master_host is None:
+                slot.local().copy_(slot.scratch)  # scratch and parameter are equal again (scratch_current)
+        if cuda:
+            self._h2d_event = torch.cuda.Event()
+            self._h2d_event.record()
 
     # ------------------------------------------------------------------ rollback, zero_grad, state
 
@@ -623,22 +344,15 @@ class CPUAdam(torch.optim.Optimizer):
                 "CPUAdam.rollback(): no step to undo (none yet, skipped, already undone, or its gradients were "
                 "released by zero_grad() / a new backward)"
             )
-        changed = [s.index for s, g, k in zip(last.slots, last.grads, last.grad_keys) if _key(g) != k]
+        changed = [s.index for s, g, k in zip(last.slots, last.grads, last.grad_keys) if grad_key(g) != k]
         if changed:
             raise RuntimeError(f"CPUAdam.rollback(): gradients of parameters {changed} changed since step()")
-        self._rollback_batched(last.slots, last.grads, last.hps)
-        self._write_back(last.slots)
+        self._rollback_batched(last.slots, last.grads, last.hps, [s.master() for s in last.slots])
+        for s in last.slots:
+            s.scratch_current = False
+        self._write_back(last.slots, committed=[])
         self._last = None
         self.stats.user_rollbacks += 1
-
-    def _abandon_speculation(self) -> None:
-        """Roll back speculative steps whose step() will not come (zero_grad() after backward, no step())."""
-        self._drain()
-        slots = [s for s in self._slots.values() if s.spec_hp is not None]
-        if slots:
-            self._undo_speculation(slots)
-            self.stats.rolled_back_steps += 1
-        self._reset_step_bookkeeping(self._slots.values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Also drops what ``rollback()`` would need, and undoes speculation that no ``step()`` will validate."""
@@ -647,18 +361,27 @@ class CPUAdam(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
+        """torch's state dict; moments the store may have swapped out are replaced by in-memory copies."""
         self._drain()
-        return super().state_dict()
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, state in list(sd["state"].items()):
+            slot = self._slots.get(id(params[i]))
+            copies = self._store.export(slot.index) if slot is not None else None
+            if copies:  # a new dict: torch packs the live per-parameter dicts, which must keep the store's tensors
+                sd["state"][i] = {**state, **copies}
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load, then re-home every state tensor on the CPU in fp32 (the base class casts to the param's device)."""
         self._abandon_speculation()
+        self._store.reset()
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
-            local = _local(p)
-            for key in ("exp_avg", "exp_avg_sq", "master"):
+            local = local_of(p)
+            for key in (*MOMENTS, "master"):
                 if key in state:
-                    host = self._empty_host(local.shape)
+                    host = torch.empty(local.shape, dtype=torch.float32, pin_memory=self._pinned)
                     host.copy_(state[key])
                     state[key] = host
             state["step"] = torch.tensor(float(state.get("step", 0)))

@@ -235,3 +235,68 @@ def test_cpu_offload_refuses_on_a_cpu_machine():
         shard_module(nn.Linear(4, 4), offload=CPUOffload(pin_memory=True))
     with pytest.raises(TypeError, match="NVMeCPUAdam"):
         shard_module(nn.Linear(4, 4), offload=object())
+
+
+# ---------------------------------------------------------------------------------------------- full disk (issue 19)
+class _DiskFull:
+    """A writer for a disk with ``room`` bytes left (None: unlimited): a write that does not fit fails ENOSPC."""
+
+    def __init__(self) -> None:
+        self.room: int | None = None
+        self.lock = threading.Lock()
+
+    def writer(self, fd: int, bufs: list, offset: int) -> int:
+        n = sum(len(b) for b in bufs)
+        with self.lock:
+            if self.room is not None:
+                if self.room < n:
+                    raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+                self.room -= n
+        return os.pwritev(fd, bufs, offset)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_nvme_full_disk_raises_at_that_step_and_the_state_still_saves(tmp_path, speculative):
+    """The disk fills at step 2 and has room again at step 3: step 2 (and only it) raises a named error naming the
+    file, every run alike; the step was applied in memory, state_dict() works and equals resident CPUAdam's, and
+    training then goes on bit-identical to it."""
+    import copy
+
+    from shardtensor.optim import CPUAdam
+
+    full_at = 2
+    for run in range(3):  # the outcome must not vary from run to run
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())])
+        ref_model = copy.deepcopy(model)
+        disk = _DiskFull()
+        # 13 KiB of moments in units of at most 2 KiB, budget 6 KiB: every step evicts, so every step writes.
+        offload = NVMeOffload(tmp_path / f"run{run}", budget_bytes=6 << 10, buffer_bytes=4096, workers=2,
+                              writer=disk.writer)
+        opt = NVMeCPUAdam(model.parameters(), offload, lr=1e-2, speculative=speculative)
+        ref = CPUAdam(ref_model.parameters(), lr=1e-2, speculative=speculative)
+        gen = torch.Generator().manual_seed(run)
+        for k in range(5):
+            disk.room = 0 if k == full_at else None
+            x = torch.randn(8, 16, generator=gen)
+            for m, o in ((ref_model, ref), (model, opt)):
+                o.zero_grad()
+                m(x).pow(2).mean().backward()
+            ref.step()
+            if k != full_at:
+                opt.step()
+                continue
+            with pytest.raises(SwapError, match=r"write.*failed in this step.*file .*\.swp.*No space left.*"
+                                                r"state_dict\(\).*free space") as info:
+                opt.step()
+            assert type(info.value).__name__ == "OffloadWriteError" and info.value.paths, info.value
+            sd, ref_sd = opt.state_dict(), ref.state_dict()  # the in-memory state can still be saved
+            for i in ref_sd["state"]:
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(sd["state"][i][key], ref_sd["state"][i][key]), (run, k, i, key)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(p.detach(), q.detach()), run
+        assert offload.stats()["writes"] > 0
+        opt.close()
+        ref.close()
+        offload.close()

@@ -125,6 +125,11 @@ def markdown(result: dict, rounds: bool = False) -> str:
         for c, s in summary.items():
             parts.append(f"| {c} | {s[m]:.3f} | {s[m + '_min']:.3f} | {s[m + '_max']:.3f} | "
                          + " | ".join(_ratio(s, f"{m}_x_{r}") for r in refs) + " |")
+        floor = summary.get("local", {})
+        if m == "peak_mib" and not math.isnan(floor.get("floor_mib", math.nan)):
+            parts.append(f"| ZeRO-3 floor (from local) | {floor['floor_mib']:.3f} | {floor['floor_mib_min']:.3f} | "
+                         f"{floor['floor_mib_max']:.3f} | "
+                         + " | ".join(f"{floor['floor_mib'] / summary[r]['peak_mib']:.2f}" for r in refs) + " |")
         parts.append("")
     if rounds:
         parts.append("every round (peak MiB / wall s/step / CPU s/step):")

@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers import *  # noqa: E402,F401,F403  (old importers: the same names)
-from bench_peers import main  # noqa: E402
+from bench_peers import _parse, _warm_up_config, _warm_up_optimizer, _wrap, main  # noqa: E402,F401
 
 if __name__ == "__main__":
     main()

@@ -84,3 +84,11 @@ def test_junit_counts_and_missing_report(tmp_path):
     assert r["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1} and r["ok"] is False
     assert r["not_passed"][0] == {"test": "t::bad", "outcome": "failed", "message": "boom"}
     assert "killed by the time limit" in junit_to_json.convert(str(tmp_path / "absent.xml"))["error"]
+
+
+def test_losses_compared_at_every_step_except_local_after_its_first():
+    runs = {"fsdp2": [[{"losses": [2.0, 1.5]}]], "local": [[{"losses": [2.0, 1.9]}]],
+            "st-sequential": [[{"losses": [2.0, 1.5 + 1e-7]}]]}
+    assert peers_report.loss_agreement(runs)["max_abs_diff"] == pytest.approx(1e-7)
+    runs["st-overlapped"] = [[{"losses": [2.0, 1.6]}]]  # a wrapper that trains something else: seen
+    assert peers_report.loss_agreement(runs)["max_abs_diff"] == pytest.approx(0.1)

@@ -85,7 +85,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (Default: 4)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (Default: 2)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per round (Default: 6)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round (Default: 4)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the configurations (Default: 3)")
     p.add_argument("--prefetch-bytes", type=int, default=None, help="shardtensor overlapped/auto budget "
                    "(Default: shard_module's own default)")

@@ -1,10 +1,10 @@
 """Where each configuration's memory goes within a step: per-step RSS growth at the step's start and the peak of
 its forward, backward and optimizer phases (the kernel's high-water mark, reset between phases), per rank.
 
-It backs two statements in README and ``bench_fsdp2.py``: sharded sequential mode grows by the same amount as
+It backs two statements in README and ``bench_peers.py``: sharded sequential mode grows by the same amount as
 the bare model within forward and backward (so what is left above the ZeRO-3 floor is not ours), and c10d's
 flight recorder grows a run's RSS step after step until its ring of collectives is full (``--flight-recorder``
-on vs off).  CPU only (``/proc/self/clear_refs``); same model flags as ``bench_fsdp2.py``.
+on vs off).  CPU only (``/proc/self/clear_refs``); same model flags as ``bench_peers.py``.
 
     python benchmarks/bench_memory_phases.py                              # local, st-sequential, fsdp2; recorder off
     python benchmarks/bench_memory_phases.py --flight-recorder --steps 12 --out benchmarks/results/memory_phases_fr.json
@@ -23,7 +23,7 @@ import torch
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import bench_fsdp2 as bench  # noqa: E402  (the same wrappers, warm-ups and model flags)
+import bench_peers as bench  # noqa: E402  (the same wrappers, warm-ups and model flags)
 
 from shardtensor.launch import run_or_exit  # noqa: E402
 

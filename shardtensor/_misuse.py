@@ -4,7 +4,7 @@ pre-hook is global (registered once, when shardtensor is imported) and costs one
 gradient is deferred.
 
 - an optimizer built before ``shard_module`` holds the replaced tensors: its ``step()`` would update tensors the
-  model no longer uses (refused at ``shard_module``);
+  model no longer uses (refused at its first step, before anything is updated);
 - a parameter that overlaps another one's memory (a view): sharding each separately breaks the aliasing
   (refused at ``shard_module``, naming both);
 - a model built on the meta device and never materialised: the first forward would compute on uninitialised
@@ -17,7 +17,6 @@ gradient is deferred.
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import torch
@@ -32,7 +31,6 @@ _FIX_OPTIMIZER = "Fix: build the optimizer after shard_module (opt = torch.optim
 def refuse_before_sharding(module: nn.Module) -> None:
     """Checks that need the parameters as they are before ``shard_module`` replaces any of them."""
     _refuse_overlapping_parameters(module)
-    _refuse_optimizers_built_first(module)
 
 
 def _extent(p: torch.Tensor) -> tuple[int, int]:
@@ -64,37 +62,28 @@ def _refuse_overlapping_parameters(module: nn.Module) -> None:
             )
 
 
-def _optimizers_holding(ids: dict[int, str]) -> list[tuple[str, str]]:
-    found = []
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.optim.Optimizer):
-                continue
-            held = [ids[id(p)] for group in obj.param_groups for p in group["params"] if id(p) in ids]
-        except Exception:  # noqa: BLE001 - a half-built or exotic object is not our optimizer
-            continue
-        if held:
-            found.append((type(obj).__name__, held[0]))
-    return found
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> parameters already checked
 
 
-def _refuse_optimizers_built_first(module: nn.Module) -> None:
-    """The DDP habit of building the optimizer first leaves it holding the full tensors that ``shard_module``
-    replaces: ``step()`` would update them, the model would never change, and they would stay alive.  Optimizers
-    are found among the live objects (one pass over the garbage collector's list, once per ``shard_module``);
-    a hit is confirmed after a collection, so an optimizer that is unreachable garbage is not reported."""
-    ids = {id(p): name for name, p in module.named_parameters()}
-    if not ids or not _optimizers_holding(ids):
+def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
+    """The DDP habit of building the optimizer before ``shard_module`` leaves it holding the full tensors that
+    ``shard_module`` replaced (they carry ``_shardtensor_sharded_as``): ``step()`` would update them while the
+    model never changes.  Checked at an optimizer's first step (and again when parameter groups are added),
+    before anything is updated; later steps cost one sum over the groups.  (Finding such optimizers at
+    ``shard_module`` time needs a scan of every live object, ~0.1-1 s per call: too dear for every model.)"""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == count:
         return
-    gc.collect()
-    found = _optimizers_holding(ids)
-    if found:
-        kind, name = found[0]
-        raise ValueError(
-            f"shard_module: parameter {name!r} is held by a {kind} optimizer built before shard_module. "
-            "shard_module replaces every parameter, so that optimizer's step() would update the old full tensors "
-            f"while the model never changes. {_FIX_OPTIMIZER}"
-        )
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = getattr(p, "_shardtensor_sharded_as", None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): parameter {name!r} was replaced by shard_module after this "
+                    "optimizer was built, so the optimizer holds the old full tensor: step() would update it while "
+                    f"the model never changes. {_FIX_OPTIMIZER}"
+                )
+    _CHECKED[optimizer] = count
 
 
 # ------------------------------------------------------------------------------------------- at the first forward
@@ -172,7 +161,9 @@ def _deferred_name(grad_sync, key: str) -> str:
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Global optimizer step pre-hook: refuse a step while gradients of this optimizer's parameters are deferred
     (``opt.step()`` inside ``gradient_sync(model, False)``): the parameters' ``.grad`` are zero shards then, the
-    step would apply nothing useful, and the deferred gradients would leak into the next step."""
+    step would apply nothing useful, and the deferred gradients would leak into the next step.  Also refuses an
+    optimizer built before ``shard_module``."""
+    _refuse_optimizer_built_first(optimizer)
     busy = [gs for gs in list(_DEFERRING) if gs._deferred]
     if not busy:
         return

@@ -25,16 +25,18 @@ def optimizer_first_case() -> tuple:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the DDP habit: optimizer first
-    message = _error_of(lambda: shardtensor.shard_module(model))
-    replaced = any(isinstance(p, shardtensor.ShardedParam) for p in model.parameters())
-    del opt
-    return message, replaced
+    shardtensor.shard_module(model)
+    model(torch.randn(3, 4)).sum().backward()
+    before = shardtensor.full_state_dict(model)
+    message = _error_of(opt.step)
+    after = shardtensor.full_state_dict(model)
+    return message, all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_optimizer_built_before_shard_module_is_refused():
-    for message, replaced in run_on_ranks(2, optimizer_first_case):
+def test_optimizer_built_before_shard_module_is_refused_at_its_first_step():
+    for message, unchanged in run_on_ranks(2, optimizer_first_case):
         assert "build the optimizer after shard_module" in message and "'0.weight'" in message, message
-        assert "SGD" in message and not replaced, message
+        assert "SGD" in message and unchanged, message
 
 
 # ------------------------------------------------------------------------------------------ complex parameters

@@ -136,9 +136,6 @@ def _read_manifest(path: Path, rank: int, world: int) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") not in _FORMATS or not isinstance(manifest.get("entries"), dict):
         raise CheckpointError(f"{path}: damaged manifest, or not a {_FORMAT} manifest (format "
                               f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    if manifest["format"] != _FORMATS[0] and manifest.get("self_sha256") != _manifest_sha256(manifest):
-        raise CheckpointError(f"{path}: damaged manifest: its content does not match its own checksum (a changed "
-                              "byte?). Restore it from a backup or save the checkpoint again.")
     if manifest.get("world") != world or manifest.get("rank") != rank:
         raise CheckpointError(f"{path}: saved by rank {manifest.get('rank')} of {manifest.get('world')} ranks, "
                               f"loading on rank {rank} of {world}. Resharding: use shardtensor.checkpoint.")
@@ -146,9 +143,26 @@ def _read_manifest(path: Path, rank: int, world: int) -> dict:
 
 
 def _verify(module: nn.Module, directory: Path, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Every check, nothing copied: returns key -> tensor to copy, or raises CheckpointError naming the file."""
+    """Every check, nothing copied: returns key -> tensor to copy, or raises CheckpointError naming the file.
+
+    A manifest whose content does not match its own checksum is reported as damaged, with what the damage
+    led to (a renamed key would otherwise read as "keys do not match the model: missing [], unexpected []")."""
+    manifest_path = directory / _names(rank, world)[1]
+    manifest = _read_manifest(manifest_path, rank, world)
+    damaged = manifest["format"] != _FORMATS[0] and manifest.get("self_sha256") != _manifest_sha256(manifest)
+    what = (f"{manifest_path}: damaged manifest: its content does not match its own checksum (a changed byte?); "
+            "restore it or save the checkpoint again")
+    try:
+        loaded = _verify_against(module, directory, manifest, rank, world)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{what}. It leads to: {exc}" if damaged else str(exc)) from None
+    if damaged:
+        raise CheckpointError(what)
+    return loaded
+
+
+def _verify_against(module: nn.Module, directory: Path, manifest: dict, rank: int, world: int) -> dict:
     shard_name, manifest_name = _names(rank, world)
-    manifest = _read_manifest(directory / manifest_name, rank, world)
     path = directory / shard_name
     if manifest.get("file") != shard_name or not path.is_file():
         raise CheckpointError(f"{path}: shard file missing (manifest {directory / manifest_name} names "

@@ -96,7 +96,7 @@ def shard_module(
             "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
         )
     _refuse_parameters_sharded_elsewhere(module)
-    _misuse.refuse_before_sharding(module)  # optimizer built first, parameters that view others
+    _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
     try:
         mode = GatherMode(gather)
     except ValueError:

@@ -163,8 +163,8 @@ class GradSync:
             owned = _only_autograd_holds(grad)
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
-                return ShardedParam(self._defer(key, grad, (param, layout)).new_zeros(layout.local_shape(), dtype=dtype),
-                                    layout, (), None, key)
+                self._defer(key, grad, (param, layout))
+                return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, (), None, key)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
             if layout.world == 1 and self._is_identity(layout, grad, dtype):

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _comm
+from . import _comm, _misuse
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
 from .tensor import ShardedParam, ShardLayout
@@ -96,6 +96,7 @@ def shard_module(
             "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
         )
     _refuse_parameters_sharded_elsewhere(module)
+    _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
     try:
         mode = GatherMode(gather)
     except ValueError:
@@ -155,8 +156,11 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
     def cast(x):
         return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
+    check_materialized = _misuse.MaterializedCheck()
+
     def hook(module, args, kwargs):
         _check_not_moved(owners, gatherer)
+        check_materialized(module)  # a meta-device model must go through materialize() first
         if grad_sync is not None:
             grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
         gatherer.step_begin()
@@ -169,9 +173,9 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
 
 def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, grad_sync: GradSync, handles: list,
                      layout: Optional[ShardLayout] = None, persist_numel: int = 0):
-    if not param.is_floating_point():
+    if not param.is_floating_point() and not param.is_complex():
         return param
-    if param.dim() == 0 or param.numel() < persist_numel:
+    if param.is_complex() or param.dim() == 0 or param.numel() < persist_numel:  # complex: replicated, averaged
         if param.requires_grad and _comm.world_size(group) > 1:
             handles.append(param.register_hook(grad_sync.replicated_grad_hook(group, param)))
         return param

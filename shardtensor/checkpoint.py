@@ -11,16 +11,22 @@ views, i.e. into the shards in place.  Resharding W -> W' is therefore DCP's, an
 never recomputed).  Optimizer state is keyed by parameter name (not by position) so it survives a model that
 registers its parameters in another order; its ShardedParam tensors (Adam's moments) go the same way, and
 replicated scalars (``step``) are saved once.
+
+Loads are all-or-nothing: see [Note: all-or-nothing loads] in ``checkpoint_verify.py``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from . import _comm
+from .checkpoint_files import CheckpointError
+from .checkpoint_verify import file_records, read_metadata_unverified, verify, write_sidecar
 from .tensor import ShardedParam
 
 _MODEL, _OPTIM = "model", "optim"
@@ -94,8 +100,25 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- save / load
+def _group(module: nn.Module):
+    state = getattr(module, "_shardtensor", None)
+    return state.group if state is not None else None
+
+
+def _dcp(call, what: str, path) -> None:
+    """Run a DCP call; its ``CheckpointException`` is a ``BaseException`` (``except Exception`` misses it)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        call()
+    except (CheckpointException, Exception) as exc:  # noqa: BLE001
+        raise CheckpointError(f"{path}: torch.distributed.checkpoint.{what} failed: {type(exc).__name__}: "
+                              f"{str(exc)[:500]}") from exc
+
+
 def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-    """Save the module (and optimizer) shards with ``torch.distributed.checkpoint`` into directory ``path``.
+    """Save the module (and optimizer) shards with ``torch.distributed.checkpoint`` into directory ``path``, and
+    the checksums of every file and item beside them (``shardtensor.checksums.json``).
 
     A collective: every rank calls it with the same ``path`` (a shared file system across hosts).
     """
@@ -104,29 +127,64 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     state = {_MODEL: sharded_state_dict(module)}
     if optimizer is not None:
         state[_OPTIM] = sharded_optimizer_state_dict(module, optimizer)
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    _dcp(lambda: dcp.save(state, checkpoint_id=os.fspath(path)), "save", path)
+    group, directory = _group(module), Path(path)
+    rank, world = _comm.rank(group), _comm.world_size(group)
+    mine = file_records(directory, read_metadata_unverified(directory), rank, world)  # each file hashed once
+    files: dict = {}
+    for part in _comm.all_gather_object(mine, group, label="save_checkpoint (collecting checksums)"):
+        files.update(part)
+    if rank == 0:
+        write_sidecar(directory, world, files)
+    _comm.barrier(group, label="save_checkpoint (waiting for the checksum file)")
 
 
 @torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                    *, strict: bool = True) -> None:
+                    *, strict: bool = True, verify_checksums: bool = True) -> None:
     """Load a checkpoint written by ``save_checkpoint`` at any world size into this (sharded) module, in place.
 
-    Keys and shapes are checked against the checkpoint first; a mismatch raises ``ValueError`` naming the
-    parameter (and both shapes).  With ``strict``, tensors in the checkpoint that the module lacks are an error.
+    All or nothing: before anything is copied, every rank checks the checksum file, DCP's metadata, every
+    file's size, the sha256 of its share of the files, and the checkpoint's keys, shapes and dtypes against the
+    module and optimizer; the verdicts are exchanged in one collective, and any failure raises
+    ``CheckpointError`` (a ``ValueError``) on every rank, naming the file or parameter, with the module and
+    optimizer unchanged.  ``verify_checksums=False`` loads a checkpoint without a checksum file (written by
+    ``torch.distributed.checkpoint.save`` directly); the key, shape and dtype checks still run.
     Optimizer hyper-parameters (lr, betas...) are restored too.
     """
     import torch.distributed.checkpoint as dcp
 
-    state = {_MODEL: sharded_state_dict(module)}
-    if optimizer is not None:
-        _init_optimizer_state(optimizer)
-        state[_OPTIM] = sharded_optimizer_state_dict(module, optimizer)
-    _check_against_metadata(dcp.FileSystemReader(os.fspath(path)).read_metadata(), state, strict)
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    group, directory = _group(module), Path(path)
+    fresh = optimizer is not None and not optimizer.state
+    error = ""
+    try:
+        metadata = verify(directory, _comm.rank(group), _comm.world_size(group)) if verify_checksums \
+            else read_metadata_unverified(directory)
+        state = {_MODEL: sharded_state_dict(module)}
+        if optimizer is not None:
+            _init_optimizer_state(optimizer)  # something to load into (undone below if the load is refused)
+            state[_OPTIM] = sharded_optimizer_state_dict(module, optimizer)
+            _check_param_groups(metadata, optimizer)
+        _check_against_metadata(metadata, state, strict)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
+        error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
+    errors = [e for e in _comm.all_gather_object(error, group, label="load_checkpoint (exchanging verdicts)") if e]
+    if errors:
+        if fresh:
+            optimizer.state.clear()  # the zero state made to load into: the optimizer is as it was
+        raise CheckpointError("load_checkpoint: nothing was loaded: " + " | ".join(dict.fromkeys(errors)))
+    _dcp(lambda: dcp.load(state, checkpoint_id=os.fspath(path)), "load", path)
     _copy_back(module.state_dict(), state[_MODEL])
     if optimizer is not None:
         _restore_optimizer(module, optimizer, state[_OPTIM])
+
+
+def _check_param_groups(metadata, optimizer: torch.optim.Optimizer) -> None:
+    prefix = f"{_OPTIM}.param_groups."
+    saved = {key[len(prefix):].split(".", 1)[0] for key in metadata.state_dict_metadata if key.startswith(prefix)}
+    if saved and len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"load_checkpoint: the checkpoint has {len(saved)} optimizer param groups, the "
+                              f"optimizer {len(optimizer.param_groups)}")
 
 
 def _check_against_metadata(metadata, state: dict, strict: bool) -> None:
@@ -139,18 +197,21 @@ def _check_against_metadata(metadata, state: dict, strict: bool) -> None:
         if not isinstance(value, torch.Tensor):
             continue
         if key not in saved:
-            raise ValueError(f"load_checkpoint: {key!r} is not in the checkpoint (it has {len(saved)} entries, e.g. "
+            raise CheckpointError(f"load_checkpoint: {key!r} is not in the checkpoint (it has {len(saved)} entries, e.g. "
                              f"{sorted(saved)[:3]}); was it saved from another model?")
         meta = saved[key]
         if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape):
             shape = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else type(meta).__name__
-            raise ValueError(f"load_checkpoint: {key!r} has shape {shape} in the checkpoint but "
-                             f"{tuple(value.shape)} in the model")
+            raise CheckpointError(f"load_checkpoint: {key!r} has shape {shape} in the checkpoint but "
+                                  f"{tuple(value.shape)} in the model")
+        if meta.properties.dtype != value.dtype:
+            raise CheckpointError(f"load_checkpoint: {key!r} is {meta.properties.dtype} in the checkpoint but "
+                                  f"{value.dtype} in the model")
     if strict:
         extra = sorted(k for k, m in saved.items() if k.startswith(_MODEL + ".") and k not in flat
                        and isinstance(m, TensorStorageMetadata))
         if extra:
-            raise ValueError(f"load_checkpoint: the checkpoint has tensors the model lacks: {extra[:5]} "
+            raise CheckpointError(f"load_checkpoint: the checkpoint has tensors the model lacks: {extra[:5]} "
                              "(pass strict=False to ignore them)")
 
 

@@ -32,7 +32,8 @@ from .tensor import ShardedParam
 
 __all__ = ["save_shards", "load_shards", "CheckpointError"]
 
-_FORMAT = "shardtensor.shards/1"
+_FORMAT = "shardtensor.shards/2"  # /2: the manifest carries a checksum of its own content
+_FORMATS = ("shardtensor.shards/1", _FORMAT)
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -48,6 +49,13 @@ def _names(rank: int, world: int) -> tuple[str, str]:
 def _tensor_sha256(t: torch.Tensor) -> str:
     t = t.detach().contiguous().cpu().reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+def _manifest_sha256(manifest: dict) -> str:
+    """Checksum of a manifest's own content (every field but this one), so a damaged manifest that still parses
+    is named as damaged instead of being believed."""
+    body = {k: v for k, v in manifest.items() if k != "self_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _file_sha256(path: Path) -> str:
@@ -110,6 +118,7 @@ def save_shards(module: nn.Module, directory: PathLike) -> Path:
     manifest = {"format": _FORMAT, "rank": rank, "world": world, "file": shard_name,
                 "file_bytes": (directory / shard_name).stat().st_size,
                 "file_sha256": _file_sha256(directory / shard_name), "entries": records}
+    manifest["self_sha256"] = _manifest_sha256(manifest)
     _write_atomically(directory / manifest_name, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     _comm.barrier(group, label="save_shards (waiting for every rank's files)")
     return directory / manifest_name
@@ -124,8 +133,9 @@ def _read_manifest(path: Path, rank: int, world: int) -> dict:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: corrupted manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT or not isinstance(manifest.get("entries"), dict):
-        raise CheckpointError(f"{path}: not a {_FORMAT} manifest")
+    if not isinstance(manifest, dict) or manifest.get("format") not in _FORMATS or not isinstance(manifest.get("entries"), dict):
+        raise CheckpointError(f"{path}: damaged manifest, or not a {_FORMAT} manifest (format "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
     if manifest.get("world") != world or manifest.get("rank") != rank:
         raise CheckpointError(f"{path}: saved by rank {manifest.get('rank')} of {manifest.get('world')} ranks, "
                               f"loading on rank {rank} of {world}. Resharding: use shardtensor.checkpoint.")
@@ -133,9 +143,26 @@ def _read_manifest(path: Path, rank: int, world: int) -> dict:
 
 
 def _verify(module: nn.Module, directory: Path, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Every check, nothing copied: returns key -> tensor to copy, or raises CheckpointError naming the file."""
+    """Every check, nothing copied: returns key -> tensor to copy, or raises CheckpointError naming the file.
+
+    A manifest whose content does not match its own checksum is reported as damaged, with what the damage
+    led to (a renamed key would otherwise read as "keys do not match the model: missing [], unexpected []")."""
+    manifest_path = directory / _names(rank, world)[1]
+    manifest = _read_manifest(manifest_path, rank, world)
+    damaged = manifest["format"] != _FORMATS[0] and manifest.get("self_sha256") != _manifest_sha256(manifest)
+    what = (f"{manifest_path}: damaged manifest: its content does not match its own checksum (a changed byte?); "
+            "restore it or save the checkpoint again")
+    try:
+        loaded = _verify_against(module, directory, manifest, rank, world)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{what}. It leads to: {exc}" if damaged else str(exc)) from None
+    if damaged:
+        raise CheckpointError(what)
+    return loaded
+
+
+def _verify_against(module: nn.Module, directory: Path, manifest: dict, rank: int, world: int) -> dict:
     shard_name, manifest_name = _names(rank, world)
-    manifest = _read_manifest(directory / manifest_name, rank, world)
     path = directory / shard_name
     if manifest.get("file") != shard_name or not path.is_file():
         raise CheckpointError(f"{path}: shard file missing (manifest {directory / manifest_name} names "

@@ -8,11 +8,17 @@
 [Note: same values as unsharded init]
 ``nn.init`` draws in place (``uniform_``, ``normal_``...).  On a ShardedParam the op table draws the *full*
 tensor from the same generator and keeps this rank's rows (dispatch.py, ``_random_init``), so with the same
-seed every rank ends with its rows of exactly the tensor an unsharded ``reset_parameters()`` draws, and the
-generator advances by the same amount.  The price is one full parameter alive during its own init: peak memory
-is the shards plus the largest single parameter, never the whole model.  Parameters are initialised in
-``model.modules()`` order, which is the construction order of ordinary modules; a module that draws in its
-``__init__`` in another order (or tied weights, which keep the last module's init) needs an ``init_fn``.
+seed every rank ends with its rows of exactly the tensor an unsharded init draws, and the generator advances by
+the same amount.  The price is one full parameter alive during its own init: peak memory is the shards plus the
+largest single parameter, never the whole model.
+
+The draws must also come in the unsharded order.  A module's ``__init__`` builds its children (each drawing its
+own parameters) and *then* initialises itself: ``nn.MultiheadAttention`` builds ``out_proj`` and then runs
+``_reset_parameters()`` on ``in_proj_weight``; ``nn.Transformer`` re-draws every matrix after its layers are
+built.  So modules are initialised children first (post-order), each by ``reset_parameters()`` or, where it has
+none, ``_reset_parameters()``.  A parameter that no such method owns (drawn inline in some ``__init__``) cannot
+be re-created: ``materialize`` refuses it by name and asks for an ``init_fn``.  A module that draws in another
+order than this (or tied weights, which keep the last module's init) needs an ``init_fn`` too.
 """
 
 from __future__ import annotations
@@ -39,13 +45,15 @@ def materialize(
     Args:
         module: the root module returned by ``shard_module`` (built under ``torch.device("meta")``).
         init_fn: called once as ``init_fn(module)`` after allocation (e.g. ``lambda m: m.apply(my_init)``).
-            (Default: ``reset_parameters()`` of every submodule that has one, in ``module.modules()`` order;
-            see [Note: same values as unsharded init].)
+            (Default: ``reset_parameters()`` (or ``_reset_parameters()``) of every submodule that has one,
+            children before parents; see [Note: same values as unsharded init].)
         device: where the shards live (Default: CPU, or the current CUDA device when CUDA is available).
     Returns:
         ``module`` itself; memory allocated on this rank is its shards plus, transiently, one full parameter.
     """
     state = _sharding_state(module)
+    if init_fn is None:
+        _refuse_parameters_no_reset_initialises(module)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -63,11 +71,56 @@ def materialize(
     if init_fn is not None:
         init_fn(module)
     else:
-        for submodule in module.modules():
-            reset = getattr(submodule, "reset_parameters", None)
-            if callable(reset):
+        for submodule in _post_order(module):
+            reset = _reset_method(submodule)
+            if reset is not None:
                 reset()
     return module
+
+
+def _reset_method(module: nn.Module) -> Optional[Callable[[], None]]:
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            return reset
+    return None
+
+
+def _post_order(module: nn.Module, seen: Optional[set] = None):
+    """Children before their parent, siblings in registration (construction) order; shared modules once."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    for child in module.children():
+        yield from _post_order(child, seen)
+    yield module
+
+
+def _refuse_parameters_no_reset_initialises(module: nn.Module) -> None:
+    """A meta parameter whose module and ancestors all lack a reset method would stay all zeros (its values
+    were drawn inline in an ``__init__`` that never ran for real): refuse before anything is allocated."""
+    covered: set[int] = set()
+    orphans: dict[int, str] = {}
+
+    def walk(mod: nn.Module, prefix: str, inherited: bool) -> None:
+        has = inherited or _reset_method(mod) is not None
+        for name, param in mod._parameters.items():
+            if param is not None and param.is_meta:
+                (covered.add(id(param)) if has else orphans.setdefault(id(param), prefix + name))
+        for name, child in mod._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", has)
+
+    walk(module, "", False)
+    missing = [name for key, name in orphans.items() if key not in covered]
+    if missing:
+        raise ValueError(
+            f"materialize: meta parameter {missing[0]!r} (of {len(missing)} such) belongs to modules without "
+            "reset_parameters() or _reset_parameters(), so nothing can draw its initial values (they came from code "
+            "in an __init__ that ran on the meta device) and it would stay all zeros. Fix: pass "
+            "materialize(model, init_fn) with an init_fn that initialises it (e.g. lambda m: nn.init.normal_(m.pos))."
+        )
 
 
 def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.device) -> None:
@@ -89,9 +142,9 @@ def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.devic
         if param.requires_grad:
             state.hook_handles.append(param.register_hook(state.grad_sync.sharded_grad_hook(param, fqn)))
         return
-    # 0-d or non-floating: replicated, allocated whole
+    # 0-d, complex or non-floating: replicated, allocated whole
     real = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, real)
     param._backward_hooks = None
-    if param.requires_grad and param.is_floating_point() and _comm.world_size(state.group) > 1:
-        state.hook_handles.append(param.register_hook(state.grad_sync.replicated_grad_hook(state.group)))
+    if param.requires_grad and (param.is_floating_point() or param.is_complex()) and _comm.world_size(state.group) > 1:
+        state.hook_handles.append(param.register_hook(state.grad_sync.replicated_grad_hook(state.group, param)))

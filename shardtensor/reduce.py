@@ -22,7 +22,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from . import _comm
+from . import _comm, _misuse
 from .tensor import ShardedParam, ShardLayout
 
 
@@ -163,8 +163,8 @@ class GradSync:
             owned = _only_autograd_holds(grad)
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
-                return ShardedParam(self._defer(key, grad).new_zeros(layout.local_shape(), dtype=dtype),
-                                    layout, (), None, key)
+                self._defer(key, grad, (param, layout))
+                return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, (), None, key)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
             if layout.world == 1 and self._is_identity(layout, grad, dtype):
@@ -188,7 +188,7 @@ class GradSync:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             key = f"replicated:{id(hook)}"
             if not self.enabled:
-                return torch.zeros_like(self._defer(key, grad.detach()))
+                return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))
             grad = self._with_deferred(key, grad.detach()).clone()
             if (param is not None and param.grad is None and self.pending_budget() > 0
                     and not getattr(param, "_post_accumulate_grad_hooks", None)):
@@ -229,16 +229,19 @@ class GradSync:
     # for communication) and hands AccumulateGrad a zero shard; the next synced backward adds the buffer to its
     # gradient and reduces once.  The mean of the summed gradients is the sum of the means, so the result equals
     # reducing every micro-batch (up to summation order).
-    def _defer(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+    def _defer(self, key: str, grad: torch.Tensor, owner=None) -> torch.Tensor:
         kept = self._deferred.get(key)
         if kept is None:
             self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
         else:
             kept.add_(grad)
+        _misuse.note_deferred(self, key, owner)  # opt.step() refuses to run while this is deferred
         return grad
 
     def _with_deferred(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         kept = self._deferred.pop(key, None) if self._deferred else None
+        if self._deferred:  # parameters this backward does not reach are reduced at its end
+            _misuse.queue_flush(self)
         return grad if kept is None else kept.add_(grad)
 
     def deferred_bytes(self) -> int:

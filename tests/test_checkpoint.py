@@ -3,8 +3,14 @@ dicts on rank 0 only; DTensor round trips; mismatched checkpoints name the param
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import shardtensor
@@ -168,3 +174,135 @@ def dtensor_param_case() -> str:
 def test_dtensor_parameter_is_refused_clearly():
     message = run_on_ranks(2, dtensor_param_case)[0]
     assert "'weight' is already a DTensor" in message and "sharded=False" in message, message
+
+
+# ------------------------------------------------------------------------------ damaged checkpoints: all or nothing
+def _snapshot(model, opt) -> dict:
+    return {"model": shardtensor.full_state_dict(model), "optim": _full_optimizer_state(model, opt),
+            "lr": [g["lr"] for g in opt.param_groups]}
+
+
+def _bit_equal(a: dict, b: dict) -> bool:
+    if a["lr"] != b["lr"] or a["model"].keys() != b["model"].keys() or a["optim"].keys() != b["optim"].keys():
+        return False
+    same = all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    return same and all(a["optim"][n].keys() == b["optim"][n].keys() and
+                        all(torch.equal(a["optim"][n][k], b["optim"][n][k]) for k in a["optim"][n]) for n in a["optim"])
+
+
+def damaged_load_case(path: str, seed: int) -> dict:
+    """Load into a trained model and optimizer (other values): either everything equals the saved state, or a
+    named Exception and nothing changed."""
+    model = shardtensor.shard_module(_model(seed + 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    _train(model, opt, 1, seed + 5)
+    before = _snapshot(model, opt)
+    try:
+        shardtensor.load_checkpoint(path, model, opt)
+        error = None
+    except BaseException as exc:  # noqa: BLE001 - the test checks it is an Exception
+        error = (type(exc).__name__, isinstance(exc, Exception), str(exc))
+    after = _snapshot(model, opt)
+    return {"error": error, "unchanged": _bit_equal(before, after), "state": after}
+
+
+def _saved_reference(path: str, seed: int) -> dict:
+    saved = run_on_ranks(2, save_case, path, seed)[0]
+    return {"model": saved["model"], "optim": saved["optim"], "lr": [1e-2]}
+
+
+def _flip(path, position: int, mask: int = 0x40) -> None:
+    data = bytearray(path.read_bytes())
+    data[position % len(data)] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def _check_damaged_load(path: str, reference: dict) -> list:
+    results = run_on_ranks(2, damaged_load_case, path, 3)
+    for r in results:
+        if r["error"] is None:
+            assert _bit_equal(r["state"], reference)
+        else:
+            name, is_exception, message = r["error"]
+            assert is_exception and name == "CheckpointError" and r["unchanged"], r["error"]
+            assert "nothing was loaded" in message, message
+    return [r["error"] for r in results]
+
+
+def test_damaged_dcp_checkpoint_is_named_on_every_rank_and_changes_nothing(tmp_path):
+    import shutil
+
+    clean = tmp_path / "clean"
+    reference = _saved_reference(str(clean), 3)
+    damages = {  # damage -> text the message must contain
+        "flip a weight byte": ("__0_0.distcp", lambda p: _flip(p, p.stat().st_size // 3), "__0_0.distcp: corrupted"),
+        "truncate": ("__1_0.distcp", lambda p: p.write_bytes(p.read_bytes()[:-7]), "__1_0.distcp: truncated"),
+        "delete": ("__1_0.distcp", lambda p: p.unlink(), "__1_0.distcp: checkpoint file missing"),
+        "damage metadata": (".metadata", lambda p: _flip(p, 40), ".metadata: damaged DCP metadata"),
+        "damage checksums": ("shardtensor.checksums.json", lambda p: _flip(p, 30, 0x01), "damaged checksum file"),
+    }
+    for kind, (name, damage, expected) in damages.items():
+        path = tmp_path / kind.replace(" ", "_")
+        shutil.copytree(clean, path)
+        damage(path / name)
+        errors = _check_damaged_load(str(path), reference)
+        assert all(e is not None and expected in e[2] for e in errors), (kind, errors)
+    # A flipped byte inside a tensor is named by its key (the item whose bytes changed).
+    path = tmp_path / "named"
+    shutil.copytree(clean, path)
+    sidecar = json.loads((path / "shardtensor.checksums.json").read_text())
+    key, offset, length, _ = sidecar["files"]["__0_0.distcp"]["items"][0]
+    _flip(path / "__0_0.distcp", offset + length // 2)
+    errors = _check_damaged_load(str(path), reference)
+    assert all(f"the bytes of {key!r} changed" in e[2] for e in errors), errors
+    assert _check_damaged_load(str(clean), reference) == [None, None]  # the undamaged copy loads
+
+
+_DCP_FILES = ["__0_0.distcp", "__1_0.distcp", ".metadata", "shardtensor.checksums.json"]
+
+
+@settings(max_examples=8)
+@given(st.lists(st.tuples(st.sampled_from(_DCP_FILES), st.sampled_from(["flip", "truncate"]),
+                          st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=3))
+def test_random_damage_to_a_dcp_checkpoint_loads_exactly_or_changes_nothing(tmp_path_factory, damages):
+    import shutil
+
+    base = tmp_path_factory.getbasetemp() / "dcp_property"
+    if not (base / "clean" / "shardtensor.checksums.json").exists():
+        _REFERENCE["state"] = _saved_reference(str(base / "clean"), 3)
+    path = Path(tempfile.mkdtemp(dir=base))
+    shutil.copytree(base / "clean", path, dirs_exist_ok=True)
+    for name, how, where, mask in damages:
+        target = path / name
+        size = target.stat().st_size
+        if how == "flip" and size:
+            _flip(target, int(where * size), mask)
+        elif how == "truncate":
+            target.write_bytes(target.read_bytes()[: int(where * size)])
+    _check_damaged_load(str(path), _REFERENCE["state"])
+
+
+_REFERENCE: dict = {}
+
+
+def shards_case(path: str, mode: str) -> str:
+    from shardtensor.checkpoint_files import CheckpointError, load_shards, save_shards
+
+    model = shardtensor.shard_module(_model(0))
+    if mode == "save":
+        save_shards(model, path)
+        return ""
+    try:
+        load_shards(model, path)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_save_shards_manifest_with_a_flipped_byte_says_it_is_damaged(tmp_path):
+    run_on_ranks(2, shards_case, str(tmp_path), "save")
+    manifest = tmp_path / "manifest-rank00000-of-00002.json"
+    text = manifest.read_text()
+    manifest.write_text(text.replace('"0.weight"', '"0.weighT"', 1))  # still valid JSON: a renamed key
+    for message in run_on_ranks(2, shards_case, str(tmp_path), "load"):
+        assert "manifest-rank00000-of-00002.json: damaged manifest" in message, message

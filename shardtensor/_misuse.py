@@ -1,0 +1,186 @@
+"""Guards against the common mistakes of porting a training script: each one would otherwise train on without a
+word and give wrong numbers.  ``shard_module`` and the root forward pre-hook call these; the optimizer step
+pre-hook is global (registered once, when shardtensor is imported) and costs one set lookup per step while no
+gradient is deferred.
+
+- an optimizer built before ``shard_module`` holds the replaced tensors: its ``step()`` would update tensors the
+  model no longer uses (refused at its first step, before anything is updated);
+- a parameter that overlaps another one's memory (a view): sharding each separately breaks the aliasing
+  (refused at ``shard_module``, naming both);
+- a model built on the meta device and never materialised: the first forward would compute on uninitialised
+  memory (refused at the first forward);
+- ``opt.step()`` while gradients are deferred by ``gradient_sync(model, False)``: it would apply zero gradients
+  and leak the deferred ones into the next step (refused at the step);
+- a parameter used only in a deferred micro-batch: the synced backward never reaches its hook, so its deferred
+  gradient is reduced at the end of that backward (``flush_deferred``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from . import _comm
+
+_FIX_OPTIMIZER = "Fix: build the optimizer after shard_module (opt = torch.optim.X(model.parameters(), ...))."
+
+
+# ------------------------------------------------------------------------------------------- at shard_module
+def refuse_before_sharding(module: nn.Module) -> None:
+    """Checks that need the parameters as they are before ``shard_module`` replaces any of them."""
+    _refuse_overlapping_parameters(module)
+
+
+def _extent(p: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, end) of ``p`` in its storage."""
+    size = p.element_size()
+    last = sum((n - 1) * s for n, s in zip(p.shape, p.stride()) if n > 0)
+    return p.storage_offset() * size, (p.storage_offset() + last + 1) * size
+
+
+def _refuse_overlapping_parameters(module: nn.Module) -> None:
+    """Two Parameter objects over overlapping memory (``b = nn.Parameter(a.detach()[2:4])``) are one tensor to
+    the unsharded model: a write to one shows in the other.  Sharded, each gets its own shard and the link is
+    gone (the model silently computes something else), so refuse, naming both.  Tied parameters (one object
+    under two names) are fine: they stay one ShardedParam."""
+    spans = []
+    for name, p in module.named_parameters():
+        if p.is_meta or p.numel() == 0 or type(p) not in (nn.Parameter, torch.Tensor):
+            continue
+        start, end = _extent(p)
+        spans.append((p.untyped_storage().data_ptr(), start, end, name))
+    spans.sort()
+    for (ptr0, _, end0, name0), (ptr1, start1, _, name1) in zip(spans, spans[1:]):
+        if ptr0 == ptr1 and start1 < end0:
+            raise ValueError(
+                f"shard_module: parameters {name0!r} and {name1!r} share memory (one is a view of the other). "
+                "Sharded, each would get its own copy and the aliasing would silently break. Fix: keep one "
+                f"parameter and compute the other from it in forward (e.g. self.{name0.rsplit('.', 1)[-1]}[...]), "
+                "or tie them as the same nn.Parameter object."
+            )
+
+
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> parameters already checked
+
+
+def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
+    """The DDP habit of building the optimizer before ``shard_module`` leaves it holding the full tensors that
+    ``shard_module`` replaced (they carry ``_shardtensor_sharded_as``): ``step()`` would update them while the
+    model never changes.  Checked at an optimizer's first step (and again when parameter groups are added),
+    before anything is updated; later steps cost one sum over the groups.  (Finding such optimizers at
+    ``shard_module`` time needs a scan of every live object, ~0.1-1 s per call: too dear for every model.)"""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == count:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = getattr(p, "_shardtensor_sharded_as", None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): parameter {name!r} was replaced by shard_module after this "
+                    "optimizer was built, so the optimizer holds the old full tensor: step() would update it while "
+                    f"the model never changes. {_FIX_OPTIMIZER}"
+                )
+    _CHECKED[optimizer] = count
+
+
+# ------------------------------------------------------------------------------------------- at the first forward
+class MaterializedCheck:
+    """Root forward pre-hook part: until one forward has found every parameter and buffer allocated, check that
+    none is still on the meta device (built under ``torch.device("meta")``, ``materialize`` not yet called).
+    Gathers of meta shards would otherwise run forward and backward on uninitialised memory."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __call__(self, module: nn.Module) -> None:
+        if self.done:
+            return
+        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+            for name, t in named:
+                if t.is_meta:
+                    raise RuntimeError(
+                        f"shardtensor: {kind} {name!r} is on the meta device (the model was built under "
+                        "torch.device('meta') and never materialised), so forward would compute on uninitialised "
+                        "memory. Fix: call shardtensor.materialize(model) (or materialize(model, init_fn)) after "
+                        "shard_module and before the first forward."
+                    )
+        self.done = True
+
+
+# ------------------------------------------------------------------------------------- deferred gradient sync
+_DEFERRING: "weakref.WeakSet" = weakref.WeakSet()  # GradSyncs that hold deferred gradients
+
+
+def note_deferred(grad_sync, key: str, owner) -> None:
+    """``GradSync._defer`` kept a full local gradient under ``key``; ``owner`` says where its reduced value goes:
+    ``(param, layout)`` for a sharded parameter, ``(param, group)`` for a replicated one."""
+    owners = grad_sync.__dict__.setdefault("_deferred_owner", {})
+    if owner is not None:
+        owners[key] = owner
+    _DEFERRING.add(grad_sync)
+
+
+def queue_flush(grad_sync) -> None:
+    """A synced backward has started consuming deferred gradients: at its end, reduce those it did not reach."""
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: flush_deferred(grad_sync))
+
+
+@torch.no_grad()
+def flush_deferred(grad_sync) -> None:
+    """Reduce every deferred gradient the synced backward did not reach (a parameter used only in a deferred
+    micro-batch) and add it to ``.grad``, as if that backward had reached it.  Keys go in deferral order, which is
+    the backward's hook order and so the same on every rank: the collectives match."""
+    from .tensor import ShardedParam, ShardLayout
+
+    owners = grad_sync.__dict__.get("_deferred_owner", {})
+    for key in [k for k in grad_sync._deferred if k in owners]:
+        kept = grad_sync._deferred.pop(key)
+        param, where = owners.pop(key)
+        if isinstance(where, ShardLayout):
+            shard = where.reduce_grad(kept, grad_sync.reducer, key)
+            grad = ShardedParam(shard.to(param.dtype), where, (), None, key)
+        else:
+            _comm.all_reduce(kept, where, op="avg")
+            grad = kept
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
+
+
+def _deferred_name(grad_sync, key: str) -> str:
+    if not key.startswith("replicated:"):
+        return key
+    param = grad_sync.__dict__.get("_deferred_owner", {}).get(key, (None,))[0]
+    return f"a replicated parameter of shape {tuple(param.shape)}" if param is not None else "a replicated parameter"
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: refuse a step while gradients of this optimizer's parameters are deferred
+    (``opt.step()`` inside ``gradient_sync(model, False)``): the parameters' ``.grad`` are zero shards then, the
+    step would apply nothing useful, and the deferred gradients would leak into the next step.  Also refuses an
+    optimizer built before ``shard_module``."""
+    _refuse_optimizer_built_first(optimizer)
+    busy = [gs for gs in list(_DEFERRING) if gs._deferred]
+    if not busy:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for gs in busy:
+        owners = gs.__dict__.get("_deferred_owner", {})
+        for key in gs._deferred:
+            owner = owners.get(key)
+            if owner is None or id(owner[0]) in held:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): the gradient of {_deferred_name(gs, key)!r} is still deferred "
+                    "by shardtensor.gradient_sync(model, False) (its .grad holds zeros until a backward with sync on "
+                    "reduces it). Fix: run the last micro-batch's backward outside gradient_sync(model, False), "
+                    "then call opt.step()."
+                )
+
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
+
+register_optimizer_step_pre_hook(_step_pre_hook)

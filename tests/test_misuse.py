@@ -1,0 +1,219 @@
+"""Common mistakes of a new user, each with the right numbers or an early error that names the parameter and the
+fix, on every rank: an optimizer built before shard_module, complex parameters, parameters that are views of
+other parameters, meta-device init of modules that initialise through ``_reset_parameters``, a forward before
+``materialize``, and ``opt.step()`` inside ``gradient_sync(model, False)``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import shardtensor
+from rank_pool import run_on_ranks
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# ------------------------------------------------------------------------------- optimizer before shard_module
+def optimizer_first_case() -> tuple:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the DDP habit: optimizer first
+    shardtensor.shard_module(model)
+    model(torch.randn(3, 4)).sum().backward()
+    before = shardtensor.full_state_dict(model)
+    message = _error_of(opt.step)
+    after = shardtensor.full_state_dict(model)
+    return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_optimizer_built_before_shard_module_is_refused_at_its_first_step():
+    for message, unchanged in run_on_ranks(2, optimizer_first_case):
+        assert "build the optimizer after shard_module" in message and "'0.weight'" in message, message
+        assert "SGD" in message and unchanged, message
+
+
+# ------------------------------------------------------------------------------------------ complex parameters
+class _ComplexModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.phase = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    def forward(self, x):
+        return (self.lin(x).to(torch.complex64) * self.phase).abs().square().mean()
+
+
+def _complex_batches(world: int):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(world, 2, 3, generator=gen) for _ in range(3)]  # step -> rank -> rows
+
+
+def complex_case() -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(1)
+    model = shardtensor.shard_module(_ComplexModel())
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    for batch in _complex_batches(world):
+        model(batch[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    return shardtensor.full_state_dict(model)
+
+
+def test_complex_parameter_trains_like_the_unsharded_model():
+    torch.manual_seed(1)
+    reference = _ComplexModel()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.2)
+    for batch in _complex_batches(2):
+        reference(batch.reshape(-1, 3)).backward()  # the concatenated batch: mean of the ranks' means
+        opt.step()
+        opt.zero_grad()
+    for state in run_on_ranks(2, complex_case):
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+# ----------------------------------------------------------------------------- a parameter that views another
+class _Aliased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 3))
+        self.head = nn.Parameter(self.table.detach()[2:4])  # shares memory with table
+
+    def forward(self, x):
+        return (x @ self.table.T).sum() + (x @ self.head.T).sum()
+
+
+def aliased_case() -> tuple:
+    model = _Aliased()
+    message = _error_of(lambda: shardtensor.shard_module(model))
+    return message, any(isinstance(p, shardtensor.ShardedParam) for p in model.parameters())
+
+
+def test_parameter_that_is_a_view_of_another_is_refused():
+    for message, replaced in run_on_ranks(2, aliased_case):
+        assert "'table'" in message and "'head'" in message and "share memory" in message, message
+        assert not replaced
+
+
+# ------------------------------------------------------------------- materialize: modules with _reset_parameters
+def _attention_models():
+    return [lambda: nn.MultiheadAttention(8, 2),
+            lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=12, dropout=0.0)]
+
+
+def materialize_case(which: int) -> dict:
+    with torch.device("meta"):
+        model = _attention_models()[which]()
+    shardtensor.shard_module(model)
+    torch.manual_seed(11)
+    shardtensor.materialize(model)
+    return shardtensor.full_state_dict(model)
+
+
+def test_materialize_equals_unsharded_init_for_attention_modules():
+    for which in range(len(_attention_models())):
+        torch.manual_seed(11)
+        reference = _attention_models()[which]().state_dict()
+        for state in run_on_ranks(2, materialize_case, which):
+            for key, value in reference.items():
+                assert torch.equal(state[key], value), (which, key)
+
+
+class _RawInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(5, 4))  # drawn in __init__: no reset method can redo it
+
+    def forward(self, x):
+        return x + self.pos
+
+
+def raw_init_case() -> str:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _RawInit())
+    shardtensor.shard_module(model)
+    return _error_of(lambda: shardtensor.materialize(model))
+
+
+def test_materialize_refuses_a_parameter_no_reset_method_initialises():
+    for message in run_on_ranks(2, raw_init_case):
+        assert "'1.pos'" in message and "init_fn" in message, message
+
+
+# --------------------------------------------------------------------------- forward before materialize()
+def meta_forward_case(gather: str) -> str:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    shardtensor.shard_module(model, gather=gather)
+    return _error_of(lambda: model(torch.randn(3, 4)).sum().backward())
+
+
+def test_forward_before_materialize_names_the_parameter_and_the_fix():
+    for gather in ("sequential", "overlapped"):
+        for message in run_on_ranks(2, meta_forward_case, gather):
+            assert "'0.weight'" in message and "meta" in message and "materialize(" in message, message
+
+
+# ------------------------------------------------------------------------- opt.step() inside gradient_sync(False)
+class _TwoBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(3, 5)
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-d: replicated, averaged
+
+    def forward(self, x, use_b: bool):
+        out = self.a(x) * self.scale
+        return (out + self.b(x) if use_b else out).square().mean()
+
+
+def _micro_batches(world: int):
+    gen = torch.Generator().manual_seed(4)
+    return torch.randn(2, world, 4, 3, generator=gen)  # micro-batch -> rank -> rows
+
+
+def step_inside_no_sync_case() -> str:
+    torch.manual_seed(2)
+    model = shardtensor.shard_module(_TwoBranch())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with shardtensor.gradient_sync(model, False):
+        model(torch.randn(4, 3), True).backward()
+        return _error_of(opt.step)
+
+
+def deferred_only_case() -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(2)
+    model = shardtensor.shard_module(_TwoBranch())
+    batches = _micro_batches(world)
+    with shardtensor.gradient_sync(model, False):
+        model(batches[0, rank], True).backward()  # b is used only here, in the deferred micro-batch
+    model(batches[1, rank], False).backward()
+    return {name: (p.grad.full_tensor() if isinstance(p.grad, shardtensor.ShardedParam) else p.grad).clone()
+            for name, p in model.named_parameters()}
+
+
+def test_step_inside_gradient_sync_false_is_refused():
+    for message in run_on_ranks(2, step_inside_no_sync_case):
+        assert "still deferred by shardtensor.gradient_sync(model, False)" in message and "step" in message, message
+        assert any(f"'{name}'" in message for name in ("a.weight", "a.bias", "b.weight", "b.bias")), message
+
+
+def test_parameter_used_only_in_a_deferred_micro_batch_gets_its_gradient():
+    torch.manual_seed(2)
+    reference = _TwoBranch()
+    batches = _micro_batches(2)
+    for rank in range(2):  # mean over ranks of each rank's summed micro-batch gradients
+        reference(batches[0, rank], True).div(2).backward()
+        reference(batches[1, rank], False).div(2).backward()
+    for grads in run_on_ranks(2, deferred_only_case):
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -373,6 +373,19 @@ def _random_init(func, args, kwargs):
     return self
 
 
+@implements(aten.embedding_renorm_.default)
+def _embedding_renorm(func, args, kwargs):
+    """``F.embedding(..., max_norm=...)`` rescales, in place, the weight rows its indices pick.  Each rank picks
+    by its own batch, so a sharded weight would take a different update on each rank (unsharded DDP replicas
+    diverge the same way): refused with the fix, rather than writing rows back."""
+    weight = args[0]
+    name = weight._name or tuple(weight.shape) if isinstance(weight, ShardedParam) else "weight"
+    raise ShardedOpError(
+        f"F.embedding(..., max_norm=...) renormalises rows of the sharded weight {name!r} in place, chosen by each "
+        "rank's own indices; the shards would disagree. Fix: drop max_norm (renormalise the weight yourself "
+        "from indices every rank shares), or keep this embedding unsharded.")
+
+
 def _foreach_localizable(lists_and_rest) -> bool:
     """Each index position must hold shards of one layout (or only plain tensors); plain tensors beside
     shards must be 0-d (step counters, lr tensors)."""

@@ -61,8 +61,11 @@ def _dtype(op):
     return torch.float64 if torch.float64 in dtypes else torch.float32 if torch.float32 in dtypes else None
 
 
-def sample_of(op):
-    """A deterministic sample with a shardable input; one with an odd dim 0 (>= 3) is preferred (padding)."""
+@functools.lru_cache(maxsize=None)
+def sample_of(key: str):
+    """A deterministic sample with a shardable input; one with an odd dim 0 (>= 3) is preferred (padding).
+    Cached per op: the variants reuse it (only the in-place variant writes, and into a copy of the input)."""
+    op = ops_by_key()[key]
     dtype = _dtype(op)
     if dtype is None:
         return None
@@ -177,7 +180,7 @@ def run_case(key: str, variant: str, world: int) -> tuple[str, str]:
     from shardtensor.dispatch import ShardedOpError
 
     op = ops_by_key()[key]
-    sample = sample_of(op)
+    sample = sample_of(key)
     if sample is None:
         return "skip", "no shardable sample"
     if variant == "inplace" and op.inplace_variant is None:

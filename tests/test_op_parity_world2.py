@@ -97,3 +97,12 @@ def test_nan_in_last_rank_rows_propagates_and_empty_max_raises():
         assert out == {"max": True, "min": True, "amax": True, "amin": True, "inf_norm": True, "-inf_norm": True,
                        "foreach_inf": True, "max_clean": True, "max_empty": "raises", "inf_norm_empty": "raises",
                        "short": True}, (rank, out)
+
+
+def test_embedding_max_norm_is_refused_with_the_fix():
+    import shardtensor
+    from shardtensor import ShardedOpError
+
+    emb = shardtensor.shard_module(nn.Embedding(5, 3, max_norm=1.0))
+    with pytest.raises(ShardedOpError, match=r"max_norm.*'weight'.*Fix: drop max_norm"):
+        emb(torch.tensor([0, 1]))

@@ -38,7 +38,16 @@ ALWAYS = {
 }
 
 
+# Key prefixes expected to fail as a family.
+XFAIL_PREFIX: dict[str, str] = {
+    "masked.": "pending ShardedParam.layout rename (it shadows torch.Tensor.layout, which torch.masked reads)",
+}
+
+
 def _xfail_reason(key: str, variant: str, world: int) -> str | None:
+    for prefix, reason in XFAIL_PREFIX.items():
+        if key.startswith(prefix):
+            return reason
     for k in ((key, variant, world), (key, "*", world), (key, variant, 0), (key, "*", 0)):
         if k in XFAIL:
             return XFAIL[k]

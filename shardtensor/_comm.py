@@ -274,7 +274,8 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 def _reducible(tensor: torch.Tensor, what: str) -> None:
     if tensor._is_zerotensor():
         raise TypeError(f"{what}: the tensor is an immutable ZeroTensor (a zero gradient autograd did not "
-                        "materialise); an in-place all-reduce cannot write into it. Fix: pass tensor.clone().")
+                        "materialise); gloo aborts on one and an in-place collective cannot write into it. "
+                        "Fix: pass torch.zeros_like(tensor) (a dense copy).")
     if tensor.dtype in _WIRE_DTYPE:
         raise TypeError(f"{what}: gloo/NCCL have no reduction for {tensor.dtype}. Fix: reduce in a supported dtype "
                         "(e.g. tensor.to(torch.int32)) and cast back.")

@@ -326,6 +326,8 @@ def _copy(func, args, kwargs):
     if not isinstance(dst, ShardedParam):
         return compute(func, args, kwargs)  # plain.copy_(sharded): gather the source
     if dst._views:
+        if _backward_temporaries([dst]):  # householder_product's / ormqr's backward fill a temporary's columns
+            return _write_back(func, args, kwargs, [dst])
         _refuse(func, args, kwargs, "the destination is a view of a shard")
     if isinstance(src, ShardedParam):
         if src._layout == dst._layout and not src._views:

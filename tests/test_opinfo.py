@@ -27,7 +27,12 @@ SUBSET_PER_MILLE = 60  # about 6% of ~3,400 (op, variant) pairs
 BATCH = 40
 
 # (op key, variant or "*", world or 0 for both) -> why it is expected to fail.  Keep it short and reasoned.
-XFAIL: dict[tuple[str, str, int], str] = {}
+XFAIL: dict[tuple[str, str, int], str] = {
+    ("linalg.eigvals", "nan", 0): "on a tensor subclass linalg.eigvals decomposes into linalg.eig, which rejects NaN "
+                                  "input (the plain kernel returns NaN eigenvalues); the error is torch's own",
+    ("nn.functional.rrelu", "*", 0): "training-mode rrelu writes its random noise into empty_like(input), a shard-wise "
+                                     "temporary of the parameter: a per-rank random write into shards, refused",
+}
 
 # Ops that broke before (issue 22 and the fixes after it): always in the default run.
 ALWAYS = {
@@ -65,8 +70,11 @@ def selected_cases() -> list[tuple[str, str]]:
             if k in ALWAYS or zlib.crc32(f"{k}:{v}".encode()) % 1000 < SUBSET_PER_MILLE]
 
 
-def _failed(outcome: str, variant: str) -> bool:
-    return outcome in ("mismatch", "crash") or (outcome == "refused" and variant != "inplace")
+def _failed(key: str, outcome: str, variant: str) -> bool:
+    """Refusals are allowed only for writes into the parameter: the in-place variant, or an op that is itself
+    in-place (``resize_``)."""
+    in_place = variant == "inplace" or key.split(".")[0].endswith("_")
+    return outcome in ("mismatch", "crash") or (outcome == "refused" and not in_place)
 
 
 def _run_world2(cases: list) -> list:
@@ -110,7 +118,7 @@ def _check(cases: list, outcomes: list, world: int) -> None:
     unexpected, fixed = [], []
     for (key, variant), (outcome, detail) in zip(cases, outcomes):
         reason = _xfail_reason(key, variant, world)
-        failed = _failed(outcome, variant)
+        failed = _failed(key, outcome, variant)
         counts["xfail" if failed and reason else outcome] += 1
         if failed and not reason:
             unexpected.append(f"{key} [{variant}] {outcome}: {detail}")

@@ -163,7 +163,7 @@ def _projection_loss(out):
     return loss
 
 
-def _place_nan(t: torch.Tensor, world: int) -> torch.Tensor:
+def _place_nan(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     if t.numel():
         t[-1].view(-1)[0] = float("nan")  # the last row is on the last rank (odd dim 0 at world 2: a padded shard)
@@ -189,9 +189,8 @@ def run_case(key: str, variant: str, world: int) -> tuple[str, str]:
         return "skip", "no autograd"
     target = _target_of(sample.input)
     if variant == "nan":
-        target = _place_nan(target, world)
+        target = _place_nan(target)
     grad_on = variant in ("forward", "backward")
-    state = {}
 
     def plain():
         p = target.detach().clone().requires_grad_(grad_on)
@@ -231,7 +230,6 @@ def run_case(key: str, variant: str, world: int) -> tuple[str, str]:
         return kind, f"{type(got).__name__}: {got}"[:400]
     exact = op.name not in UNINITIALISED and ok_ref2 and _compare(ref2, ref, True) is None
     diff = _compare(got, ref, exact)
-    del state
     return ("mismatch", diff[:400]) if diff else ("match", "" if exact else "shapes only (nondeterministic op)")
 
 

@@ -257,6 +257,30 @@ def _rows_alias(buffer: torch.Tensor, start: int, rows: int) -> torch.Tensor:
                       (rows, *buffer.shape[1:]))
 
 
+# gloo has no kernels for these dtypes; a gather only copies bits, so it moves them as a dtype of the same width
+# (``w.short()`` on a sharded parameter is a shard-wise int16 tensor whose gather would otherwise fail).
+_WIRE_DTYPE = {torch.int16: torch.float16, torch.uint16: torch.float16, torch.uint32: torch.int32,
+               torch.uint64: torch.int64}
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A collective's input as a real buffer: autograd hands an efficient ZeroTensor as the gradient of ops whose
+    derivative is zero (``torch.sgn`` of a real tensor), and gloo aborts the process on one."""
+    if tensor._is_zerotensor():
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return tensor
+
+
+def _reducible(tensor: torch.Tensor, what: str) -> None:
+    if tensor._is_zerotensor():
+        raise TypeError(f"{what}: the tensor is an immutable ZeroTensor (a zero gradient autograd did not "
+                        "materialise); gloo aborts on one and an in-place collective cannot write into it. "
+                        "Fix: pass torch.zeros_like(tensor) (a dense copy).")
+    if tensor.dtype in _WIRE_DTYPE:
+        raise TypeError(f"{what}: gloo/NCCL have no reduction for {tensor.dtype}. Fix: reduce in a supported dtype "
+                        "(e.g. tensor.to(torch.int32)) and cast back.")
+
+
 @torch.no_grad()
 def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
                     label: str = "") -> CollectiveResult:
@@ -267,7 +291,10 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
     world = world_size(group)
     if world == 1:
         return CollectiveResult(local, _DoneWork())
-    local = local.contiguous()
+    local = _dense(local).contiguous()
+    if local.dtype in _WIRE_DTYPE:
+        result = all_gather_rows(local.view(_WIRE_DTYPE[local.dtype]), group, async_op=async_op, label=label)
+        return CollectiveResult(result.buffer.view(local.dtype), result.work)
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
     if _on_gloo_cpu(local, group):  # see [Note: gloo's tensor collectives copy]
         rows, me = local.shape[0], rank(group)
@@ -290,7 +317,8 @@ def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async
     world = world_size(group)
     if world == 1:
         return CollectiveResult(full, _DoneWork())
-    full = full.contiguous()
+    full = _dense(full).contiguous()
+    _reducible(full, "reduce_scatter_rows")
     if full.shape[0] % world:
         raise AssertionError(f"reduce_scatter_rows needs rows divisible by the world: {full.shape=} {world=}")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype, device=full.device)
@@ -315,6 +343,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "s
     world = world_size(group)
     if world == 1:
         return _DoneWork()
+    _reducible(tensor, "all_reduce")
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     if op == "avg" and async_op:
         raise ValueError("all_reduce(op='avg', async_op=True) is not supported: divide after waiting")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from . import _comm, _compile
-from .tensor import ShardedParam, ViewStep, apply_views
+from .tensor import ShardedParam, ViewStep, _view_geometry, apply_views
 
 aten = torch.ops.aten
 
@@ -216,7 +216,32 @@ def _view(func, args, kwargs):
     if not isinstance(self, ShardedParam) or _params_in(args[1:], kwargs):
         return compute(func, args, kwargs)
     step = ViewStep(func, _freeze(list(args[1:])), tuple(sorted(kwargs.items())), None)
+    if not _replayable(self._layout.shape, self._views + (step,)):
+        return _view_as_copy(func, args, kwargs)
     return ShardedParam(self._local, self._layout, self._views + (step,), self._gatherer, self._name)
+
+
+def _replayable(shape: torch.Size, views: tuple) -> bool:
+    """Whether the chain is a view of a contiguous base (a reshape of a permuted parameter is not)."""
+    try:
+        _view_geometry(shape, views)
+    except RuntimeError:
+        return False
+    return True
+
+
+# Reshapes that torch turns into a copy when the input cannot be viewed (reshape -> clone + _unsafe_view).
+_RESHAPE_FAMILY = {aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.reshape.default}
+
+
+def _view_as_copy(func, args, kwargs):
+    """A view step that no strides express (einsum's reshape of a permuted 3-d weight, ``__rmatmul__``,
+    tensordot): gather, reshape a contiguous copy, hand out a plain tensor, as torch's ``reshape`` copies."""
+    self = args[0]
+    with _Gathered([self]) as fulls:
+        full = fulls[id(self)]
+        out = aten.reshape.default(full.contiguous(), args[1]) if func in _RESHAPE_FAMILY else func(full, *args[1:], **kwargs)
+        return _unalias(out, fulls)
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default])
@@ -248,7 +273,7 @@ def _local_or_compute(func, args, kwargs):
         if written:
             return kwargs["out"] if "out" in kwargs else args[0]
         return _wrap_like(params[0], out)
-    if written:
+    if written and not _backward_temporaries(written):
         _refuse(func, args, kwargs, "its operands are not shards of one layout (or include a full plain tensor)")
     return compute(func, args, kwargs)
 
@@ -301,6 +326,8 @@ def _copy(func, args, kwargs):
     if not isinstance(dst, ShardedParam):
         return compute(func, args, kwargs)  # plain.copy_(sharded): gather the source
     if dst._views:
+        if _backward_temporaries([dst]):  # householder_product's / ormqr's backward fill a temporary's columns
+            return _write_back(func, args, kwargs, [dst])
         _refuse(func, args, kwargs, "the destination is a view of a shard")
     if isinstance(src, ShardedParam):
         if src._layout == dst._layout and not src._views:
@@ -346,6 +373,19 @@ def _random_init(func, args, kwargs):
     if layout.valid_rows:
         self._local[: layout.valid_rows].copy_(full[layout.row_start : layout.row_start + layout.valid_rows])
     return self
+
+
+@implements(aten.embedding_renorm_.default)
+def _embedding_renorm(func, args, kwargs):
+    """``F.embedding(..., max_norm=...)`` rescales, in place, the weight rows its indices pick.  Each rank picks
+    by its own batch, so a sharded weight would take a different update on each rank (unsharded DDP replicas
+    diverge the same way): refused with the fix, rather than writing rows back."""
+    weight = args[0]
+    name = weight._name or tuple(weight.shape) if isinstance(weight, ShardedParam) else "weight"
+    raise ShardedOpError(
+        f"F.embedding(..., max_norm=...) renormalises rows of the sharded weight {name!r} in place, chosen by each "
+        "rank's own indices; the shards would disagree. Fix: drop max_norm (renormalise the weight yourself "
+        "from indices every rank shares), or keep this embedding unsharded.")
 
 
 def _foreach_localizable(lists_and_rest) -> bool:
@@ -412,6 +452,20 @@ def _whole_tensor_operand(func, args, kwargs, dim_arg=None) -> bool:
     return True
 
 
+def _all_reduce_keep_nan(partial: torch.Tensor, group, op: str) -> None:
+    """All-reduce in place; a NaN on any rank stays NaN under max/min (gloo's and NCCL's max/min drop it, so
+    ``max()`` or an inf-norm would hide a NaN gradient on another rank).  One collective: the NaN flags ride
+    along, negated for min."""
+    if op not in ("max", "min") or not partial.is_floating_point():
+        _comm.all_reduce(partial, group, op=op)
+        return
+    flags = partial.isnan().to(partial.dtype)
+    both = torch.cat([partial.reshape(-1), flags.reshape(-1) if op == "max" else -flags.reshape(-1)])
+    _comm.all_reduce(both, group, op=op)
+    n = partial.numel()
+    partial.copy_(both[:n].reshape(partial.shape).masked_fill(both[n:].reshape(partial.shape) != 0, float("nan")))
+
+
 def _p_norm_partial(x: torch.Tensor, ord: float) -> torch.Tensor:
     """The all-reducible part of a p-norm: sum |x|^p, or max/min |x| for +-inf, count for 0."""
     if x.numel() == 0:
@@ -449,8 +503,10 @@ def _vector_norm(func, args, kwargs):
     ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     dtype = kwargs.get("dtype")
     x = _valid(self) if dtype is None else _valid(self).to(dtype)
+    if self.numel() == 0 and ord in (float("inf"), float("-inf")):
+        return compute(func, args, kwargs)  # torch's own error: the inf-norm of an empty tensor has no identity
     partial = _p_norm_partial(x, ord).reshape(1).clone()
-    _comm.all_reduce(partial, self._layout.group, op=_norm_reduce_op(ord))
+    _all_reduce_keep_nan(partial, self._layout.group, _norm_reduce_op(ord))
     return _p_norm_finish(partial[0], ord)
 
 
@@ -479,10 +535,10 @@ def _foreach_norm(func, args, kwargs):
             groups.setdefault(id(t._layout.group), (t._layout.group, []))[1].append(k)
         for group, members in groups.values():
             if len(groups) == 1:
-                _comm.all_reduce(partials, group, op=_norm_reduce_op(ord))
+                _all_reduce_keep_nan(partials, group, _norm_reduce_op(ord))
             else:
                 part = partials[members].clone()
-                _comm.all_reduce(part, group, op=_norm_reduce_op(ord))
+                _all_reduce_keep_nan(part, group, _norm_reduce_op(ord))
                 partials[members] = part
         finished = _p_norm_finish(partials, ord)
         for k, (i, t) in enumerate(sharded):
@@ -498,8 +554,10 @@ def _simple_reduction(op: str, local_fn: Callable, finish: Callable | None = Non
                 or (dim_arg is not None and len(args) > 2 and args[2]):
             return compute(func, args, kwargs)
         self = args[0]
+        if self.numel() == 0 and op in ("max", "min") and func not in (aten.all.default, aten.any.default):
+            return compute(func, args, kwargs)  # torch's own error: max() of an empty tensor has no identity
         partial = local_fn(_valid(self), func, args, kwargs).reshape(1).clone()
-        _comm.all_reduce(partial, self._layout.group, op=op)
+        _all_reduce_keep_nan(partial, self._layout.group, op)
         result = partial[0]
         return finish(result, self) if finish else result
 
@@ -575,6 +633,8 @@ def compute(func, args, kwargs):
     """Class 4: gather -> run -> release.  Outputs are plain tensors that never alias a gathered buffer."""
     written = _written_params(func, args, kwargs)
     if written:
+        if _backward_temporaries(written):
+            return _write_back(func, args, kwargs, written)
         _refuse(func, args, kwargs, "it is not an op that can run on this rank's shard")
     params = _params_in(args, kwargs)
     with _Gathered(params) as fulls:
@@ -586,6 +646,36 @@ def compute(func, args, kwargs):
                          f"{[p._name or tuple(p.shape) for p in params]}")
             raise
         return _unalias(out, fulls)
+
+
+def _backward_temporaries(written: list[ShardedParam]) -> bool:
+    """Whether every written ShardedParam is a temporary of a backward formula (``linalg.vector_norm``'s backward
+    ``masked_fill_``s ``self * grad / norm``): written while autograd runs a backward, and neither a parameter
+    nor a view of one (those carry the module's gatherer).  Such writes may run on gathered copies."""
+    return torch._C._current_graph_task_id() != -1 and all(
+        p._gatherer is None and not isinstance(p, torch.nn.Parameter) for p in written)
+
+
+def _write_back(func, args, kwargs, written: list[ShardedParam]):
+    """Run an in-place op on gathered copies of the written temporaries, then keep this rank's rows of each."""
+    bases: dict[int, torch.Tensor] = {}  # id(_local) -> gathered base (views of one temporary share it)
+    fulls: dict[int, torch.Tensor] = {}
+    for p in written:
+        if id(p._local) not in bases:
+            from .gather import _gather_now
+
+            bases[id(p._local)] = _gather_now(p._local, p._layout).clone()
+        fulls[id(p)] = apply_views(bases[id(p._local)], p._views)
+    others = [p for p in _params_in(args, kwargs) if id(p) not in fulls]
+    with _Gathered(others) as gathered:
+        fulls.update(gathered)
+        swap = lambda x: fulls[id(x)] if isinstance(x, ShardedParam) else x  # noqa: E731
+        func(*_map_args(swap, args), **_map_kwargs(swap, kwargs))
+    for p in written:
+        layout = p._layout
+        if layout.valid_rows:
+            p._local[: layout.valid_rows].copy_(bases[id(p._local)][layout.row_start: layout.row_start + layout.valid_rows])
+    return kwargs["out"] if "out" in kwargs else args[0]
 
 
 def _unalias(out, fulls: dict[int, torch.Tensor]):

@@ -95,9 +95,12 @@ def _only_autograd_holds(grad: torch.Tensor) -> bool:
     """AccumulateGrad's test for stealing a gradient instead of copying it (``use_count`` of the tensor, and of a
     view's base), so a gradient we keep can alias nothing that a plain PyTorch ``.grad`` could not alias.  Where
     the engine passes one gradient to two leaves (``p + q``), the first to arrive sees the other's reference."""
-    if not _HAS_USE_COUNT or grad._use_count() > _HOOK_USE_COUNT:
-        return False  # (a torch without Tensor._use_count: always copy, as before)
-    return not grad._is_view() or grad._base._use_count() <= _HOOK_USE_COUNT
+    if not _HAS_USE_COUNT or grad._use_count() > _HOOK_USE_COUNT or grad._is_zerotensor():
+        return False  # (a torch without Tensor._use_count: always copy, as before; a ZeroTensor is immutable)
+    if not grad._is_view():
+        return True
+    base = grad._base  # None for some views autograd builds (linalg.vector_norm's backward): cannot tell, copy
+    return base is not None and base._use_count() <= _HOOK_USE_COUNT
 
 
 class GradSync:

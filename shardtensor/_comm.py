@@ -17,7 +17,7 @@ import math
 import os
 import pickle
 from contextvars import ContextVar
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ _label: ContextVar[str] = ContextVar("shardtensor_collective_label", default="")
 class CollectiveError(RuntimeError):
     """A collective failed or did not complete in time: another rank died, skipped a step, or runs another program."""
 
+
+from ._comm_work import CollectiveResult, _CopyOnWait, _DoneWork, _WorkList  # noqa: E402,F401 (re-exported)
 
 # Imported here, after CollectiveError, which DivergenceError subclasses (the module imports it from this one).
 from . import _comm_divergence as _div  # noqa: E402
@@ -167,60 +169,6 @@ def _issued(work, kind: str, tensor: torch.Tensor, group, async_op: bool, label:
         return timed
     timed.wait()
     return _DoneWork()
-
-
-class _DoneWork:
-    """Stands in for a ``Work`` handle when nothing was sent (world size 1)."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class CollectiveResult(NamedTuple):
-    """A collective's output buffer and the handle to wait on before reading it."""
-
-    buffer: torch.Tensor
-    work: object  # dist.Work or _DoneWork
-
-
-class _WorkList:
-    """Several handles waited on as one (a gather made of one broadcast per rank)."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:
-        for work in self.works:
-            work.wait(timeout=timeout) if timeout is not None else work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-class _CopyOnWait:
-    """A work whose result lands in ``src`` (rows of a buffer the collective used as scratch): ``wait`` copies it
-    into ``dst`` once, so the caller's buffer can be the small output allocated up front."""
-
-    __slots__ = ("work", "src", "dst")
-
-    def __init__(self, work, src: torch.Tensor, dst: torch.Tensor):
-        self.work, self.src, self.dst = work, src, dst
-
-    def wait(self, timeout=None) -> bool:
-        self.work.wait(timeout=timeout)
-        if self.src is not None:
-            self.dst.copy_(self.src)
-            self.src = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
 
 
 _overwritable: ContextVar[bool] = ContextVar("shardtensor_overwritable_inputs", default=False)

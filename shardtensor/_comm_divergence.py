@@ -19,8 +19,9 @@ A rank that stops issuing collectives leaves the others waiting.  CPU waits are 
 ``probe_interval()`` seconds (``SHARDTENSOR_DIVERGENCE_PROBE_S``, default 3) the waiting rank publishes its
 position (group, sequence number, label) under a per-rank key of the default store (TCPStore: no collective
 needed) and reads the others'.  It raises ``DivergenceError`` only on proof: every other rank of the group is
-itself blocked at a different position (another sequence number, another label, or another group) and stays so
-over a probe interval, or another rank already failed while this one waited.  A rank that is merely busy
+itself blocked, over a probe interval, where it cannot progress while this one waits (another sequence number
+or label of this group, or a collective of another group that this rank has not issued), or another rank
+already failed while this one waited.  A rank that is merely busy
 elsewhere (rank 0 writing a checkpoint alone) is not proof: this rank then logs a warning naming both positions
 and keeps waiting up to ``collective_timeout()``.
 """
@@ -273,6 +274,15 @@ def _where(record: Optional[dict]) -> str:
     return f"is not waiting at any shardtensor collective (state {record.get('state')!r})"
 
 
+def _waits_on_me(rec: dict, mine: dict) -> bool:
+    """Whether a rank blocked at ``rec`` cannot progress while this rank stays blocked at ``mine``: it waits in
+    this group at another position, or in a group of this rank's at a collective this rank has not issued yet
+    (a rank waiting in a group this rank is not in may be waiting for a third, slow rank: no proof)."""
+    if rec["group"] == mine["group"]:
+        return (rec["seq"], rec["label"]) != (mine["seq"], mine["label"])
+    return any(pos.tag == rec["group"] and pos.seq < rec["seq"] for pos in list(_positions.values()))
+
+
 def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
     """One probe: raise on proof of divergence (see [Note: stall probes]); warn otherwise.  Returns when it last
     warned."""
@@ -290,8 +300,7 @@ def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
         if not (rec and previous and rec.get("state") == "waiting" and previous.get("state") == "waiting"):
             continue
         same_wait = rec["since"] == previous["since"] and rec["probe"] > previous["probe"]
-        here = (rec["group"], rec["seq"], rec["label"]) == (mine["group"], mine["seq"], mine["label"])
-        if same_wait and not here:
+        if same_wait and _waits_on_me(rec, mine):
             blocked_elsewhere.append(r)
     if others and len(blocked_elsewhere) == len(others):
         lines = [f"  rank {me} waits at collective #{mine['seq']} on group {mine['group']}: {mine['label']}"]

@@ -98,14 +98,21 @@ def probe_interval() -> float:
 class _Position:
     """This rank's count of checked collectives on one group, and the last one's label (for the probes)."""
 
-    __slots__ = ("tag", "seq", "label")
+    __slots__ = ("tag", "seq", "label", "group")
 
-    def __init__(self, tag: str):
+    def __init__(self, tag: str, group):
         self.tag, self.seq, self.label = tag, 0, ""
+        self.group = group  # held, so that no later group object can reuse its id() while this count stands
 
 
 _positions: dict = {}  # id(group) -> _Position
 _crc_cache: dict = {}
+_stats = [0, 0.0]  # identity checks passed, seconds spent in them (see identity_check_stats)
+
+
+def identity_check_stats() -> dict:
+    """How many identity checks this process passed and the seconds they took (what the check costs a step)."""
+    return {"checks": _stats[0], "seconds": _stats[1]}
 _last_progress = time.time()  # when a wait of this rank last completed
 
 
@@ -120,7 +127,7 @@ def position(group) -> _Position:
     key = id(group) if group is not None else 0
     pos = _positions.get(key)
     if pos is None:
-        pos = _positions[key] = _Position(_group_tag(group))
+        pos = _positions[key] = _Position(_group_tag(group), group)
     return pos
 
 
@@ -146,6 +153,7 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str) -> int:
     pos.label = label or kind
     if not divergence_check_enabled(tensor.device.type):
         return pos.seq
+    started = time.perf_counter()
     world = dist.get_world_size(group)
     dtype_code = _crc(str(tensor.dtype))
     mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code], dtype=torch.int64,
@@ -153,6 +161,8 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str) -> int:
     everyone = torch.empty(world * _FIELDS, dtype=torch.int64, device=tensor.device)
     _raw_all_gather(everyone, mine, group, f"identity check before {pos.label}", pos)
     if torch.equal(everyone.view(world, _FIELDS), mine.expand(world, _FIELDS)):
+        _stats[0] += 1
+        _stats[1] += time.perf_counter() - started
         return pos.seq
     # Every rank holds the same records, so every rank is here: one more exchange for the full names.
     text = _describe(kind, label, tensor.numel(), tensor.dtype)

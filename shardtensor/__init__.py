@@ -6,6 +6,7 @@ optimizers, ``clip_grad_norm_``, gradient accumulation) runs unchanged.
 
 from . import dispatch as _dispatch  # noqa: F401  (importing registers the op table)
 from ._comm import CollectiveError, collective_timeout, set_collective_timeout
+from ._comm_divergence import DivergenceError, set_divergence_check
 from .api import full_state_dict, gather_stats, load_full_state_dict, shard_module
 from .checkpoint import load_checkpoint, save_checkpoint, sharded_optimizer_state_dict, sharded_state_dict
 from .composable import gradient_sync, unshard_module
@@ -39,4 +40,6 @@ __all__ = [
     "set_collective_timeout",
     "collective_timeout",
     "CollectiveError",
+    "DivergenceError",
+    "set_divergence_check",
 ]

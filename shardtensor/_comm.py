@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import math
 import os
 import pickle
 from contextvars import ContextVar
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,11 +64,22 @@ def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
 # so there the wait stays stream-ordered and the limit is NCCL's watchdog (``init_process_group(timeout=...)``).
 _timeout_s: float = float(os.environ.get("SHARDTENSOR_COLLECTIVE_TIMEOUT", "600"))
 _label: ContextVar[str] = ContextVar("shardtensor_collective_label", default="")
-_sequence = itertools.count(1)  # collectives this process issued (every rank of one program counts alike)
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or did not complete in time: another rank died, skipped a step, or runs another program."""
+
+
+from ._comm_work import CollectiveResult, _CopyOnWait, _DoneWork, _WorkList  # noqa: E402,F401 (re-exported)
+
+# Imported here, after CollectiveError, which DivergenceError subclasses (the module imports it from this one).
+from . import _comm_divergence as _div  # noqa: E402
+
+
+def _check(kind: str, tensor: torch.Tensor, group, label: str) -> int:
+    """Before every data collective: the group's sequence number, after the cross-rank identity check
+    (see [Note: the identity check] in ``_comm_divergence``)."""
+    return _div.check_identity(kind, tensor, group, label or _label.get())
 
 
 def set_collective_timeout(seconds: float) -> float:
@@ -106,26 +116,31 @@ class _TimedWork:
 
     __slots__ = ("work", "kind", "shape", "dtype", "group", "label", "seq", "cpu")
 
-    def __init__(self, work, kind: str, tensor: torch.Tensor, group, label: str):
+    def __init__(self, work, kind: str, tensor: torch.Tensor, group, label: str, seq: int):
         self.work = work
         self.kind = kind
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
         self.group = group
         self.label = label or _label.get()
-        self.seq = next(_sequence)
+        self.seq = seq  # this group's collective count: the same on every rank of one program
         self.cpu = tensor.device.type == "cpu"
 
     def wait(self, timeout=None) -> bool:
         seconds = _timeout_s if timeout is None else (
             timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout))
         try:
-            if self.cpu:
-                self.work.wait(timeout=datetime.timedelta(seconds=seconds))
+            if self.cpu:  # probes name a rank that is provably elsewhere early (see [Note: stall probes])
+                _div.wait_watched(self.work, seconds, self.group, _div.position(self.group),
+                                  self.label or self.kind)
             else:  # stream-ordered (see [Note: every collective has a timeout])
                 self.work.wait()
+        except CollectiveError:
+            raise
         except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the step
-            raise CollectiveError(self._message(seconds, exc)) from exc
+            message = self._message(seconds, exc)
+            _div.publish_failure(message)
+            raise CollectiveError(message) from exc
         return True
 
     def is_completed(self) -> bool:
@@ -147,67 +162,13 @@ class _TimedWork:
         )
 
 
-def _issued(work, kind: str, tensor: torch.Tensor, group, async_op: bool, label: str = ""):
+def _issued(work, kind: str, tensor: torch.Tensor, group, async_op: bool, label: str, seq: int):
     """Wrap ``work`` (issued with ``async_op=True``); wait now, with the limit, unless the caller waits later."""
-    timed = _TimedWork(work, kind, tensor, group, label)
+    timed = _TimedWork(work, kind, tensor, group, label, seq)
     if async_op:
         return timed
     timed.wait()
     return _DoneWork()
-
-
-class _DoneWork:
-    """Stands in for a ``Work`` handle when nothing was sent (world size 1)."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class CollectiveResult(NamedTuple):
-    """A collective's output buffer and the handle to wait on before reading it."""
-
-    buffer: torch.Tensor
-    work: object  # dist.Work or _DoneWork
-
-
-class _WorkList:
-    """Several handles waited on as one (a gather made of one broadcast per rank)."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:
-        for work in self.works:
-            work.wait(timeout=timeout) if timeout is not None else work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-class _CopyOnWait:
-    """A work whose result lands in ``src`` (rows of a buffer the collective used as scratch): ``wait`` copies it
-    into ``dst`` once, so the caller's buffer can be the small output allocated up front."""
-
-    __slots__ = ("work", "src", "dst")
-
-    def __init__(self, work, src: torch.Tensor, dst: torch.Tensor):
-        self.work, self.src, self.dst = work, src, dst
-
-    def wait(self, timeout=None) -> bool:
-        self.work.wait(timeout=timeout)
-        if self.src is not None:
-            self.dst.copy_(self.src)
-            self.src = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
 
 
 _overwritable: ContextVar[bool] = ContextVar("shardtensor_overwritable_inputs", default=False)
@@ -296,18 +257,20 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
         result = all_gather_rows(local.view(_WIRE_DTYPE[local.dtype]), group, async_op=async_op, label=label)
         return CollectiveResult(result.buffer.view(local.dtype), result.work)
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-    if _on_gloo_cpu(local, group):  # see [Note: gloo's tensor collectives copy]
+    gloo = _on_gloo_cpu(local, group)
+    kind = "all-gather (broadcasts)" if gloo else "all-gather"
+    seq = _check(kind, local, group, label)
+    if gloo:  # see [Note: gloo's tensor collectives copy]
         rows, me = local.shape[0], rank(group)
         out[me * rows:(me + 1) * rows].copy_(local)
         works = [dist.broadcast(_rows_alias(out, r * rows, rows), src=global_rank_of(group, r), group=group,
                                 async_op=True) for r in range(world)]
-        return CollectiveResult(out, _issued(_WorkList(works), "all-gather (broadcasts)", local, group, async_op,
-                                             label))
+        return CollectiveResult(out, _issued(_WorkList(works), kind, local, group, async_op, label, seq))
     if _all_gather_single is not None:
         work = _all_gather_single(out, local, group=group, async_op=True)
     else:  # torch < 2.13
         work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
-    return CollectiveResult(out, _issued(work, "all-gather", local, group, async_op, label))
+    return CollectiveResult(out, _issued(work, kind, local, group, async_op, label, seq))
 
 
 @torch.no_grad()
@@ -322,18 +285,21 @@ def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async
     if full.shape[0] % world:
         raise AssertionError(f"reduce_scatter_rows needs rows divisible by the world: {full.shape=} {world=}")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    if _overwritable.get() and _on_gloo_cpu(full, group):  # see [Note: gloo's tensor collectives copy]
+    by_reduces = _overwritable.get() and _on_gloo_cpu(full, group)
+    kind = "reduce-scatter (reduces)" if by_reduces else "reduce-scatter"
+    seq = _check(kind, full, group, label)
+    if by_reduces:  # see [Note: gloo's tensor collectives copy]
         rows = out.shape[0]
         works = [dist.reduce(_rows_alias(full, r * rows, rows), dst=global_rank_of(group, r), group=group,
                              async_op=True) for r in range(world)]
         mine = _rows_alias(full, rank(group) * rows, rows)
-        return CollectiveResult(out, _issued(_CopyOnWait(_WorkList(works), mine, out), "reduce-scatter (reduces)",
-                                             full, group, async_op, label))
+        return CollectiveResult(out, _issued(_CopyOnWait(_WorkList(works), mine, out), kind, full, group, async_op,
+                                             label, seq))
     if _reduce_scatter_single is not None:
         work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     else:
         work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return CollectiveResult(out, _issued(work, "reduce-scatter", full, group, async_op, label))
+    return CollectiveResult(out, _issued(work, kind, full, group, async_op, label, seq))
 
 
 @torch.no_grad()
@@ -347,8 +313,9 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup = None, *, op: str = "s
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     if op == "avg" and async_op:
         raise ValueError("all_reduce(op='avg', async_op=True) is not supported: divide after waiting")
+    seq = _check(f"all-reduce ({op})", tensor, group, label)
     work = _issued(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True), f"all-reduce ({op})", tensor,
-                   group, async_op, label)
+                   group, async_op, label, seq)
     if op == "avg":
         tensor.div_(world)
     return work
@@ -361,8 +328,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = 
     if world_size(group) == 1:
         output.copy_(input)
         return _DoneWork()
+    seq = _check("all-to-all", input, group, label)
     work = dist.all_to_all_single(output, input, group=group, async_op=True)
-    return _issued(work, "all-to-all", input, group, async_op, label)
+    return _issued(work, "all-to-all", input, group, async_op, label, seq)
 
 
 @torch.no_grad()
@@ -371,8 +339,9 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup = N
     """Broadcast ``tensor`` in place from ``src_group_rank`` (a rank *within* ``group``)."""
     if world_size(group) == 1:
         return _DoneWork()
+    seq = _check(f"broadcast from rank {src_group_rank}", tensor, group, label)
     work = dist.broadcast(tensor, src=global_rank_of(group, src_group_rank), group=group, async_op=True)
-    return _issued(work, f"broadcast from rank {src_group_rank}", tensor, group, async_op, label)
+    return _issued(work, f"broadcast from rank {src_group_rank}", tensor, group, async_op, label, seq)
 
 
 @torch.no_grad()
@@ -385,9 +354,10 @@ def reduce(tensor: torch.Tensor, dst_group_rank: int, group: ProcessGroup = None
     """
     if world_size(group) == 1:
         return _DoneWork()
+    seq = _check(f"reduce to rank {dst_group_rank}", tensor, group, label)
     work = dist.reduce(tensor, dst=global_rank_of(group, dst_group_rank), op=dist.ReduceOp.SUM, group=group,
                        async_op=True)
-    return _issued(work, f"reduce to rank {dst_group_rank}", tensor, group, async_op, label)
+    return _issued(work, f"reduce to rank {dst_group_rank}", tensor, group, async_op, label, seq)
 
 
 def _control_device(group) -> torch.device:
@@ -420,7 +390,8 @@ def all_gather_object(obj: object, group: ProcessGroup = None, *, label: str = "
 def barrier(group: ProcessGroup = None, *, label: str = "") -> None:
     if world_size(group) > 1:
         probe = torch.zeros(1, device=_control_device(group))
-        _issued(dist.barrier(group=group, async_op=True), "barrier", probe, group, False, label)
+        seq = _check("barrier", probe, group, label)
+        _issued(dist.barrier(group=group, async_op=True), "barrier", probe, group, False, label, seq)
 
 
 # ---------------------------------------------------------------------------------------------- DTensor meshes

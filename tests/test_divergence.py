@@ -1,0 +1,177 @@
+"""Ranks whose data makes them run different collectives: a named DivergenceError on every rank, never mixed
+data, a gloo abort (SIGABRT) or a silent wait of minutes.  The collective timeout stays at its default (600 s);
+every case must end in seconds because the identity check or the stall probes name the divergence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rank_pool import run_on_ranks
+
+MODES = ["sequential", "overlapped"]
+
+
+def _outcome(fn) -> dict:
+    """What a rank saw: the error's type and message, or that it finished (a silent result)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the type
+        return {"error": type(exc).__name__, "message": str(exc), "is_collective_error": _is_collective(exc)}
+    return {"error": None, "message": "finished without an error"}
+
+
+def _is_collective(exc: BaseException) -> bool:
+    import shardtensor
+
+    return isinstance(exc, shardtensor.CollectiveError)
+
+
+def _assert_named_everywhere(outcomes: list, *names: str) -> None:
+    for rank, out in enumerate(outcomes):
+        assert out["error"] == "DivergenceError", f"rank {rank}: {out['message']}"
+        assert out["is_collective_error"]
+        for name in names:
+            assert name in out["message"], f"rank {rank} does not name {name!r}: {out['message']}"
+        assert "rank 0" in out["message"] and "rank 1" in out["message"], out["message"]
+        assert "every rank" in out["message"].lower(), out["message"]  # the fix
+
+
+class _TwoWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+        self.w2 = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+
+    def forward(self, x, first_w1: bool):
+        a, b = (self.w1, self.w2) if first_w1 else (self.w2, self.w1)
+        return (x @ a).tanh() @ b
+
+
+def two_weights_in_rank_order(mode: str) -> dict:
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_TwoWeights(), gather=mode)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model(x, True).sum().backward()  # a step in the same order (overlapped mode records it)
+    return _outcome(lambda: model(x, dist.get_rank() == 0).sum().backward())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_same_shape_parameters_in_a_different_order_raise_on_every_rank(mode):
+    _assert_named_everywhere(run_on_ranks(2, two_weights_in_rank_order, mode, timeout=60), "'w1'", "'w2'")
+
+
+class _Blocks(nn.Module):
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8, dtype=torch.float64) for _ in range(n))
+
+    def forward(self, x, skip: int = -1):
+        for i, block in enumerate(self.blocks):
+            if i != skip:
+                x = block(x).tanh()
+        return x.sum()
+
+
+def rank_one_skips_a_block(mode: str) -> dict:
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_Blocks(), gather=mode)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model(x).backward()
+    return _outcome(lambda: model(x, skip=1 if dist.get_rank() == 1 else -1).backward())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_that_skips_a_block_raises_on_every_rank(mode):
+    _assert_named_everywhere(run_on_ranks(2, rank_one_skips_a_block, mode, timeout=60), "'blocks.")
+
+
+class _MoE(nn.Module):
+    """A hand-written mixture of experts: the loop calls only the experts some token was routed to."""
+
+    def __init__(self, experts: int = 3, dim: int = 8):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(dim, dim, dtype=torch.float64) for _ in range(experts))
+
+    def forward(self, x, route: torch.Tensor):
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = route == e
+            if mask.any():
+                out[mask] = expert(x[mask])
+        return out.square().sum()
+
+
+def moe_routed_per_rank(mode: str, routes: tuple) -> dict:
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_MoE(), gather=mode)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model(x, torch.tensor([0, 1, 2, 0])).backward()  # every expert on every rank: the recorded order
+    route = torch.tensor(routes[dist.get_rank()])
+    return _outcome(lambda: model(x, route).backward())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("routes", [((0, 0, 0, 0), (1, 1, 1, 1)), ((0, 1, 0, 1), (1, 1, 1, 1))],
+                         ids=["same-counts", "different-counts"])
+def test_moe_ranks_routed_to_different_experts_raise_on_every_rank(mode, routes):
+    outcomes = run_on_ranks(2, moe_routed_per_rank, mode, routes, timeout=60)
+    _assert_named_everywhere(outcomes, "'experts.")
+
+
+def models_on_two_groups_in_rank_order(mode: str) -> dict:
+    """Each rank blocks in a collective of a different group: the identity check cannot meet, the probes can."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    torch.manual_seed(0)
+    models = [shardtensor.shard_module(_Blocks(1), gather=mode, group=g) for g in groups]
+    x = torch.randn(4, 8, dtype=torch.float64)
+    order = models if dist.get_rank() == 0 else models[::-1]
+    out = _outcome(lambda: [m(x).backward() for m in order])
+    # Once both ranks have raised, complete the identity exchange each left pending on its group, so the pool's
+    # ranks stay usable.
+    dist.barrier()
+    other = groups[1 - dist.get_rank()]
+    dist.all_gather_single(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), group=other)
+    for g in groups:
+        dist.destroy_process_group(g)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ranks_blocked_in_different_groups_raise_on_every_rank_in_seconds(mode):
+    outcomes = run_on_ranks(2, models_on_two_groups_in_rank_order, mode, timeout=60)
+    _assert_named_everywhere(outcomes, "blocked in a different collective", "'blocks.0.")
+
+
+def check_switch() -> dict:
+    import shardtensor
+    from shardtensor import _comm_divergence
+
+    previous = shardtensor.set_divergence_check(False)
+    try:
+        off = _comm_divergence.divergence_check_enabled()
+    finally:
+        shardtensor.set_divergence_check(previous)
+    return {"off": off, "restored": _comm_divergence.divergence_check_enabled() == previous}
+
+
+def test_the_check_can_be_switched_off_and_back():
+    for out in run_on_ranks(2, check_switch):
+        assert out == {"off": False, "restored": True}

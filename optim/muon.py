@@ -112,13 +112,13 @@ class Muon:
         """The whole tensor this rank steps for ``p``, or ``None`` when another rank owns it."""
         if not isinstance(p, ShardedParam):
             return p  # unsharded or replicated (0-d): every rank steps it alike
-        layout = p._layout
+        layout = p.shard_layout
         if not isinstance(layout, OwnerLayout):
             raise ValueError(
                 f"Muon: parameter {name!r} is a dim-0 shard ({type(layout).__name__}); Newton-Schulz needs whole "
                 "matrices. Shard with shardtensor.shard_module(model, placement='layerwise')."
             )
-        return p._local if layout.owns else None
+        return p.to_local() if layout.owns else None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -9,9 +9,11 @@ import torch
 from torch import nn
 
 from . import _comm
-from .gather import Gatherer, GatherMode
+from ._layout import ShardLayout
+from .gather import Gatherer, GatherMode, gather_full
 from .reduce import ExactReducer, GradientReducer, GradSync
-from .tensor import ShardedParam, ShardLayout
+from .layerwise import owner_layouts
+from .tensor import ShardedParam
 
 
 @dataclass
@@ -109,8 +111,6 @@ def shard_module(
         raise ValueError(f"shard_module: placement={placement!r}; expected 'dim0' or 'layerwise'")
     layouts: dict = {}
     if placement == "layerwise":
-        from .layerwise import owner_layouts
-
         layouts = owner_layouts(module, group, reducer)
 
     replaced: dict[int, nn.Parameter] = {}
@@ -182,7 +182,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
             local = torch.empty(layout.local_shape(), dtype=param.dtype, device="meta")
         else:
             local = layout.shard_of(param.detach())
-    sharded = ShardedParam(local, layout, (), gatherer, fqn)
+    sharded = ShardedParam(local, layout, gatherer=gatherer, name=fqn)
     new = nn.Parameter(sharded, requires_grad=param.requires_grad)
     new._gatherer = gatherer
     new._name = fqn
@@ -285,8 +285,6 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str,
             other ranks take part in the gathers, hold one full tensor at a time, and get ``{}``.
             (Default: ``False``: every rank gets the full state dict.)
     """
-    from .gather import gather_full
-
     keep = not rank0_only or _comm.rank(getattr(getattr(module, "_shardtensor", None), "group", None)) == 0
     out = {}
     for key, value in module.state_dict().items():

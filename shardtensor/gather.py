@@ -26,12 +26,16 @@ from __future__ import annotations
 import enum
 import logging
 import weakref
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from . import _comm
-from .tensor import ShardedParam, ShardLayout, apply_views
+from ._layout import ShardLayout, apply_views
+from ._memory import shared_monitor
+
+if TYPE_CHECKING:  # annotations only: tensor.py imports this module (ShardedParam.full_tensor)
+    from .tensor import ShardedParam
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +49,8 @@ class GatherMode(str, enum.Enum):
 def _free_memory_bytes(device: torch.device) -> int:
     """Free memory where the gathered tensors live: the CUDA allocator's view, or the host's (psutil).
 
-    Read from the monitor the offload layer shares (``shardtensor.offload.monitor``), so both decide from the
-    same numbers."""
-    from shardtensor.offload.monitor import shared_monitor  # lazy: offload imports the core
-
+    Read from the process-wide monitor (``shardtensor._memory``) that the offload layer reads too, so both
+    decide from the same numbers."""
     return shared_monitor().free_bytes(device)
 
 
@@ -183,7 +185,7 @@ class Gatherer:
             return param._local
         index = self._index.get(id(param._local))
         if index is None:  # not a registered parameter (e.g. a derived ShardedParam): plain on-demand gather
-            return _gather_now(param._local, param._layout)
+            return gather_now(param._local, param._layout)
         self._advance(index)
         entry = self._entries.get(index)
         local = param._local
@@ -315,7 +317,7 @@ class Gatherer:
             self._drop(index)
 
 
-def _gather_now(local: torch.Tensor, layout) -> torch.Tensor:
+def gather_now(local: torch.Tensor, layout) -> torch.Tensor:
     buffer = layout.gather(local).buffer
     return buffer[: layout.shape[0]]
 
@@ -323,4 +325,21 @@ def _gather_now(local: torch.Tensor, layout) -> torch.Tensor:
 def gather_full(param: ShardedParam) -> torch.Tensor:
     """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
     with _comm.labelled(f"all-gather of {param._name!r}"):
-        return apply_views(_gather_now(param._local, param._layout), param._views)
+        return apply_views(gather_now(param._local, param._layout), param._views)
+
+
+class _FullTensor(torch.autograd.Function):
+    """Gather for the user; the incoming full gradient flows to the parameter unchanged (its hook shards it)."""
+
+    @staticmethod
+    def forward(ctx, param: ShardedParam) -> torch.Tensor:
+        return gather_full(param).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def full_tensor_of(param: ShardedParam) -> torch.Tensor:
+    """``param.full_tensor()``: a differentiable gather whose result the caller owns."""
+    return _FullTensor.apply(param)

@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from . import _comm
-from .tensor import ShardLayout
+from ._layout import ShardLayout
+from .reduce import ExactReducer
+from .tensor import ShardedParam
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,6 @@ def _placed_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def owner_layouts(module: nn.Module, group=None, reducer=None) -> dict[int, OwnerLayout]:
     """``id(parameter) -> OwnerLayout`` for every parameter ``shard_module`` will shard (used by ``shard_module``)."""
-    from .reduce import ExactReducer
-
     if reducer is not None and not isinstance(reducer, ExactReducer):
         raise NotImplementedError(
             f"shard_module(placement='layerwise'): reducer={type(reducer).__name__} is not supported yet; "
@@ -158,7 +158,5 @@ def owner_layouts(module: nn.Module, group=None, reducer=None) -> dict[int, Owne
 
 def placement_plan(module: nn.Module) -> dict[str, int]:
     """Owner rank of each layer-wise parameter of a sharded ``module``, by name (never communicates)."""
-    from .tensor import ShardedParam
-
     return {n: p._layout.owner for n, p in module.named_parameters()
             if isinstance(p, ShardedParam) and isinstance(p._layout, OwnerLayout)}

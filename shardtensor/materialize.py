@@ -78,9 +78,9 @@ def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.devic
     on the swapped-out tensor, so it is registered again here.
     """
     if isinstance(param, ShardedParam):
-        meta_local = param._local
+        meta_local = param.to_local()
         local = torch.zeros(meta_local.shape, dtype=param.dtype, device=device)
-        real = nn.Parameter(ShardedParam(local, param._layout, (), state.gatherer, fqn), requires_grad=param.requires_grad)
+        real = nn.Parameter(ShardedParam(local, param.shard_layout, gatherer=state.gatherer, name=fqn), requires_grad=param.requires_grad)
         torch.utils.swap_tensors(param, real)
         param._backward_hooks = None  # swap_tensors leaves the Python hook dict behind, unwired: start afresh
         param._gatherer, param._name = state.gatherer, fqn

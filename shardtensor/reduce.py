@@ -23,7 +23,8 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from . import _comm
-from .tensor import ShardedParam, ShardLayout
+from ._layout import ShardLayout
+from .tensor import ShardedParam
 
 
 class GradientReducer(Protocol):
@@ -164,19 +165,19 @@ class GradSync:
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
                 return ShardedParam(self._defer(key, grad).new_zeros(layout.local_shape(), dtype=dtype),
-                                    layout, (), None, key)
+                                    layout, name=key)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
             if layout.world == 1 and self._is_identity(layout, grad, dtype):
                 # The mean over one rank is the gradient itself: keep it, as AccumulateGrad would, unless someone
                 # else holds it (then a copy, as AccumulateGrad makes).
                 return ShardedParam(grad if owned and grad.is_contiguous() else grad.clone(
-                    memory_format=torch.contiguous_format), layout, (), None, key)
+                    memory_format=torch.contiguous_format), layout, name=key)
             with _comm.inputs_may_be_overwritten(owned):  # nobody else reads this gradient after us
                 if grad.dtype == dtype and self._can_overlap(param, layout, grad):
-                    return ShardedParam(self._start(grad, layout, key), layout, (), None, key)
+                    return ShardedParam(self._start(grad, layout, key), layout, name=key)
                 shard = layout.reduce_grad(grad, self.reducer, key)
-            return ShardedParam(shard.to(dtype), layout, (), None, key)
+            return ShardedParam(shard.to(dtype), layout, name=key)
 
         return hook
 

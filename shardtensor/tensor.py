@@ -90,6 +90,16 @@ class ShardedParam(torch.Tensor):
         """This rank's rows of the base tensor (padded; views not applied).  Never communicates."""
         return self._local
 
+    def rehome_(self, local: torch.Tensor) -> "ShardedParam":
+        """Make ``local`` this shard's storage (same shape and dtype; any device): offload keeps parameter and
+        gradient shards in host memory this way while the wrapper stays on the compute device.  A scheduled
+        parameter is rehomed through ``Gatherer.rehome_shards``, which re-indexes it."""
+        if local.shape != self._local.shape or local.dtype != self._local.dtype:
+            raise ValueError(f"rehome_ of {self._name or 'shard'!r}: {tuple(local.shape)} {local.dtype} does not "
+                             f"match the shard's {tuple(self._local.shape)} {self._local.dtype}")
+        self._local = local
+        return self
+
     def full_tensor(self) -> torch.Tensor:
         """The full tensor (views applied), gathered from all ranks.  Differentiable: grads flow back sharded."""
         return full_tensor_of(self)

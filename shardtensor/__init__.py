@@ -12,6 +12,7 @@ from ._dispatch import ShardedOpError
 from .gather import Gatherer, GatherMode
 from .layerwise import OwnerLayout, placement_plan
 from .materialize import materialize
+from .policy import GatherPolicy, MixedPrecisionPolicy
 from .reduce import ExactReducer
 from ._layout import ShardLayout
 from .tensor import ShardedParam
@@ -36,6 +37,8 @@ __all__ = [
     "Gatherer",
     "GatherMode",
     "ExactReducer",
+    "GatherPolicy",
+    "MixedPrecisionPolicy",
     "set_collective_timeout",
     "collective_timeout",
     "CollectiveError",

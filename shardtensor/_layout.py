@@ -49,8 +49,8 @@ class ShardLayout:
     def local_shape(self) -> torch.Size:
         return torch.Size((self.rows_per_rank, *self.shape[1:]))
 
-    # The collectives of a placement live on its layout, so another placement (layer-wise ownership, say) is a
-    # layout subclass that overrides these three methods; gather.py and reduce.py only schedule them.
+    # A placement's gather lives on its layout and its gradient reduction on its reducer (``reduce.py``), so
+    # another placement (layer-wise ownership) is a layout subclass plus a reducer; gather.py only schedules.
     def gather(self, local: torch.Tensor, *, async_op: bool = False) -> _comm.CollectiveResult:
         """Start gathering the full tensor; its first ``shape[0]`` rows of ``.buffer`` are the base tensor."""
         if _comm.world_size(self.group) != self.world:  # e.g. a shard unpickled in a process of another world
@@ -64,11 +64,6 @@ class ShardLayout:
     def gather_numel(self) -> int:
         """Elements a gather materialises (for prefetch budgets)."""
         return self.padded_shape.numel()
-
-    def reduce_grad(self, grad: torch.Tensor, reducer, key: str) -> torch.Tensor:
-        """This rank's ``local_shape()`` part of the mean over ranks of each rank's full gradient ``grad``."""
-        with _comm.labelled(f"gradient reduction of {key!r}"):
-            return reducer.reduce(self.pad(grad), key=key, group=self.group)
 
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         """``full`` as ``(world * rows_per_rank, ...)``; copies only when the rows do not divide evenly."""

@@ -10,9 +10,11 @@ from torch import nn
 
 from . import _comm
 from ._layout import ShardLayout
-from .gather import Gatherer, GatherMode, gather_full
+from ._full import gather_full
+from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
-from .layerwise import owner_layouts
+from .layerwise import OwnerReducer, owner_layouts
+from .policy import GatherPolicy, MixedPrecisionPolicy
 from .tensor import ShardedParam
 
 
@@ -46,7 +48,7 @@ def shard_module(
     module: nn.Module,
     *,
     group=None,
-    gather: str = "overlapped",
+    gather: "str | GatherPolicy" = "overlapped",
     prefetch_bytes: Optional[int] = None,
     min_free_bytes: int = 1 << 30,
     reducer: Optional[GradientReducer] = None,
@@ -55,6 +57,7 @@ def shard_module(
     reduce_dtype: Optional[torch.dtype] = None,
     persist_numel: int = 0,
     offload=None,
+    mixed_precision: Optional[MixedPrecisionPolicy] = None,
 ) -> nn.Module:
     """Replace every floating parameter of ``module`` (dim >= 1) by a ``ShardedParam``, in place.
 
@@ -70,7 +73,9 @@ def shard_module(
     Args:
         module: the model; its parameters must hold the same values on every rank (same seed).
         group: process group to shard over (Default: the default group; a single process needs none).
-        gather: ``"sequential"``, ``"overlapped"`` or ``"auto"`` (Default: ``"overlapped"``).
+        gather: ``"sequential"``, ``"overlapped"`` or ``"auto"``, or a ``GatherPolicy`` holding the mode,
+            ``prefetch_bytes``, ``min_free_bytes`` and ``persist_numel`` (then leave those keywords out)
+            (Default: ``"overlapped"``).
         prefetch_bytes: prefetch budget of overlapped mode, also the bound on gradient reduce-scatters in flight
             (Default: twice the 90th percentile of the parameters' gathered sizes).
         min_free_bytes: auto mode's memory threshold (Default: 1 GiB).
@@ -89,6 +94,7 @@ def shard_module(
         offload: ``shardtensor.offload.CPUOffload(...)``: shards in pinned host memory, copied to the GPU before
             their gathers (CUDA only; on a CPU-only machine it raises instead of copying host to host).
             Optimizer state goes to NVMe through ``shardtensor.offload.NVMeCPUAdam`` instead. (Default: None)
+        mixed_precision: a ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` instead of the two keywords.
     Returns:
         ``module`` itself.
     """
@@ -98,12 +104,16 @@ def shard_module(
             "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
         )
     _refuse_parameters_sharded_elsewhere(module)
-    try:
-        mode = GatherMode(gather)
-    except ValueError:
-        raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
-    gatherer = Gatherer(mode, prefetch_bytes=prefetch_bytes, min_free_bytes=min_free_bytes, param_dtype=param_dtype)
-    grad_sync = GradSync(reducer if reducer is not None else ExactReducer(reduce_dtype))
+    policy = _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel)
+    precision = _precision_policy(mixed_precision, param_dtype, reduce_dtype)
+    param_dtype, persist_numel = precision.param_dtype, policy.persist_numel
+    gatherer = Gatherer(policy.mode, prefetch_bytes=policy.prefetch_bytes, min_free_bytes=policy.min_free_bytes,
+                        param_dtype=param_dtype)
+    reducer = reducer if reducer is not None else ExactReducer(precision.reduce_dtype)
+    # Layer-wise gradients reduce to their owner: that placement's reducer (owner_layouts refuses the others).
+    strategy = OwnerReducer(reducer.reduce_dtype) if placement == "layerwise" and isinstance(reducer, ExactReducer) \
+        else None
+    grad_sync = GradSync(reducer, strategy=strategy)
     grad_sync.pending_budget = gatherer.reduce_overlap_bytes
     _refuse_dtensor_parameters(module)
     _check_same_model_on_every_rank(module, group)
@@ -145,6 +155,27 @@ def shard_module(
             )
         offload.attach(module)
     return module
+
+
+def _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel) -> GatherPolicy:
+    if isinstance(gather, GatherPolicy):
+        if (prefetch_bytes, min_free_bytes, persist_numel) != (None, 1 << 30, 0):
+            raise ValueError("shard_module: gather=GatherPolicy(...) already holds prefetch_bytes, min_free_bytes and "
+                             "persist_numel; pass them in the policy, not as keywords too")
+        return gather
+    try:
+        return GatherPolicy(gather, prefetch_bytes, min_free_bytes, persist_numel)
+    except ValueError:
+        raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
+
+
+def _precision_policy(policy, param_dtype, reduce_dtype) -> MixedPrecisionPolicy:
+    if policy is None:
+        return MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    if param_dtype is not None or reduce_dtype is not None:
+        raise ValueError("shard_module: pass either mixed_precision=MixedPrecisionPolicy(...) or "
+                         "param_dtype=/reduce_dtype=, not both")
+    return policy
 
 
 def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = (),

@@ -32,6 +32,7 @@ import torch
 
 from . import _comm
 from ._layout import ShardLayout, apply_views
+from ._full import gather_full, gather_now  # noqa: F401  (gather_full: re-exported for callers of the Gatherer)
 from ._memory import shared_monitor
 
 if TYPE_CHECKING:  # annotations only: tensor.py imports this module (ShardedParam.full_tensor)
@@ -164,11 +165,6 @@ class Gatherer:
         self._aliases_shards = self._plain_world_of_one()
 
     @property
-    def params(self) -> tuple[ShardedParam, ...]:
-        """The registered parameters, by index (the index ``ShardSource`` methods receive)."""
-        return tuple(self._params)
-
-    @property
     def shard_source(self) -> Optional[ShardSource]:
         return self._shard_source
 
@@ -192,10 +188,6 @@ class Gatherer:
         """The two transitions: RECORDING -> REPLAYING (an order was recorded), REPLAYING -> RECORDING (it broke)."""
         self._assert_in_states(GatherState.REPLAYING if state is GatherState.RECORDING else GatherState.RECORDING)
         self._state = state
-
-    @property
-    def state(self) -> GatherState:
-        return self._state
 
     def _plain_world_of_one(self) -> bool:
         """Every parameter's full tensor is its shard: world 1, dim-0 layouts, no dtype cast, shards in place."""
@@ -403,31 +395,3 @@ class Gatherer:
     def _drop_all(self) -> None:
         for index in [i for i, e in self._entries.items() if e.users <= 0]:
             self._drop(index)
-
-
-def gather_now(local: torch.Tensor, layout) -> torch.Tensor:
-    buffer = layout.gather(local).buffer
-    return buffer[: layout.shape[0]]
-
-
-def gather_full(param: ShardedParam) -> torch.Tensor:
-    """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
-    with _comm.labelled(f"all-gather of {param._name!r}"):
-        return apply_views(gather_now(param._local, param._layout), param._views)
-
-
-class _FullTensor(torch.autograd.Function):
-    """Gather for the user; the incoming full gradient flows to the parameter unchanged (its hook shards it)."""
-
-    @staticmethod
-    def forward(ctx, param: ShardedParam) -> torch.Tensor:
-        return gather_full(param).clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def full_tensor_of(param: ShardedParam) -> torch.Tensor:
-    """``param.full_tensor()``: a differentiable gather whose result the caller owns."""
-    return _FullTensor.apply(param)

@@ -95,26 +95,6 @@ class OwnerLayout(ShardLayout):
     def gather_numel(self) -> int:
         return self.shape.numel()
 
-    def reduce_grad(self, grad: torch.Tensor, reducer, key: str) -> torch.Tensor:
-        """Sum every rank's full gradient to the owner, divide by the world there (the mean, as dim 0 gives).
-
-        Exact in ``reducer.reduce_dtype`` when it has one (``ExactReducer``); compressed reducers are refused
-        by ``shard_module``.  Non-owners return a 0-row gradient, matching their 0-row ``_local``.
-        """
-        wire_dtype = getattr(reducer, "reduce_dtype", None) or grad.dtype
-        if _comm.inputs_overwritable() and grad.dtype == wire_dtype and grad.is_contiguous():
-            wire = grad  # the gradient hook vouches that nobody else holds it
-        else:
-            # A copy we own: reduce may use the non-destinations' tensor as scratch, and autograd's gradient may
-            # be shared with another input (``x + W`` passes one buffer to both).
-            wire = grad.to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
-        _comm.reduce(wire, self.owner, self.group)
-        if not self.owns:
-            return grad.new_empty((0, *self.shape[1:]))
-        if self.world > 1:
-            wire.div_(self.world)
-        return wire.to(grad.dtype)
-
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         return full.contiguous()
 
@@ -122,6 +102,31 @@ class OwnerLayout(ShardLayout):
         if self.owns:
             return full.detach().clone(memory_format=torch.contiguous_format)
         return torch.empty(self.local_shape(), dtype=full.dtype, device=full.device)
+
+class OwnerReducer(ExactReducer):
+    """Layer-wise gradients: every rank's full gradient is summed to the parameter's owner (``GradStrategy``)."""
+
+    def reduce_grad(self, grad: torch.Tensor, layout: OwnerLayout, *, key: str, dtype: torch.dtype, owned: bool,
+                    overlap: bool) -> torch.Tensor:
+        """Sum every rank's full gradient to the owner, divide by the world there (the mean, as dim 0 gives).
+
+        Exact, in ``reduce_dtype`` when given; compressed reducers are refused by ``shard_module``.  Non-owners
+        return a 0-row gradient, matching their 0-row ``_local``.  Never asynchronous (``overlap`` is ignored).
+        """
+        wire_dtype = self.reduce_dtype or grad.dtype
+        if _comm.inputs_overwritable() and grad.dtype == wire_dtype and grad.is_contiguous():
+            wire = grad  # the gradient hook vouches that nobody else holds it
+        else:
+            # A copy we own: reduce may use the non-destinations' tensor as scratch, and autograd's gradient may
+            # be shared with another input (``x + W`` passes one buffer to both).
+            wire = grad.to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
+        with _comm.labelled(f"gradient reduction of {key!r}"):
+            _comm.reduce(wire, layout.owner, layout.group)
+        if not layout.owns:
+            return grad.new_empty((0, *layout.shape[1:]))
+        if layout.world > 1:
+            wire.div_(layout.world)
+        return wire.to(grad.dtype)
 
 
 def plan_placement(sizes: Sequence[int], world: int) -> list[int]:

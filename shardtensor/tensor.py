@@ -22,7 +22,7 @@ import torch
 
 from . import _comm, _compile
 from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
-from .gather import full_tensor_of
+from ._full import full_tensor_of
 
 
 class ShardedParam(torch.Tensor):

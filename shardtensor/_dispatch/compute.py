@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._layout import apply_views
-from ..gather import gather_now
+from .._full import gather_now
 from ..tensor import ShardedParam
 from ._common import _map_args, _map_kwargs, _map_out, _params_in, _written_params
 from .refusals import _refuse

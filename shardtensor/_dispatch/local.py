@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import _compile
-from ..gather import gather_full
+from .._full import gather_full
 from ..tensor import ShardedParam
 from ._common import (
     _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _params_in,

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .. import _comm
-from ..gather import gather_full
+from .._full import gather_full
 from ..tensor import ShardedParam
 from ._common import _chain_is_bijective, _params_in, aten, implements
 from .compute import compute

@@ -1,4 +1,4 @@
-"""Layer-wise placement: every parameter is owned whole by one rank (DESIGN.md section 9).
+"""Layer-wise placement: every parameter is owned whole by one rank (see ARCHITECTURE.md).
 
 ``shard_module(model, placement="layerwise")`` gives each parameter an ``OwnerLayout``.  A placement is a
 layout: the ShardedParam interface, the op table and the Gatherer are the dim-0 ones, only the layout's

@@ -1,4 +1,4 @@
-"""Gradients: the full gradient arrives, this rank's shard of the mean leaves (DESIGN.md section 5).
+"""Gradients: the full gradient arrives, this rank's shard of the mean leaves (see ARCHITECTURE.md).
 
 [Note: why a pre-accumulate hook]
 The hook is a tensor hook on the leaf (``register_hook``), so it runs *before* AccumulateGrad.  It turns the

@@ -2,7 +2,7 @@
 
 Modes (``GatherMode``):
   - ``sequential``: gather on demand, free as soon as the op that needed it returns.  At most the parameters
-    of one op are alive (one, for the ops ``dispatch.py`` decomposes: linear+bias, layer/batch norm, conv+bias).
+    of one op are alive (one, for the ops ``_dispatch/sequential.py`` decomposes: linear+bias, layer/batch norm, conv+bias).
   - ``overlapped``: the first step records the order of gathers (forward and backward); later steps issue
     async all-gathers for the next parameters in that order while the current op runs, within
     ``prefetch_bytes``.  A gather that does not match the recorded order is detected, in-flight prefetches are

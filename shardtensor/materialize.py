@@ -7,7 +7,7 @@
 
 [Note: same values as unsharded init]
 ``nn.init`` draws in place (``uniform_``, ``normal_``...).  On a ShardedParam the op table draws the *full*
-tensor from the same generator and keeps this rank's rows (dispatch.py, ``_random_init``), so with the same
+tensor from the same generator and keeps this rank's rows (``_dispatch/local.py``, ``_random_init``), so with the same
 seed every rank ends with its rows of exactly the tensor an unsharded ``reset_parameters()`` draws, and the
 generator advances by the same amount.  The price is one full parameter alive during its own init: peak memory
 is the shards plus the largest single parameter, never the whole model.  Parameters are initialised in

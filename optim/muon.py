@@ -112,8 +112,7 @@ class Muon:
         """The whole tensor this rank steps for ``p``, or ``None`` when another rank owns it."""
         if not isinstance(p, ShardedParam):
             return p  # unsharded or replicated (0-d): every rank steps it alike
-        # Public API only: ``shard_layout`` (``layout`` in older cores, being renamed).
-        layout = getattr(p, "shard_layout", None) or p.layout
+        layout = p.shard_layout
         if not isinstance(layout, OwnerLayout):
             raise ValueError(
                 f"Muon: parameter {name!r} is a dim-0 shard ({type(layout).__name__}); Newton-Schulz needs whole "

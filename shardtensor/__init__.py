@@ -4,18 +4,19 @@ One line turns a model's parameters into ``ShardedParam``s; ordinary training co
 optimizers, ``clip_grad_norm_``, gradient accumulation) runs unchanged.
 """
 
-from . import dispatch as _dispatch  # noqa: F401  (importing registers the op table)
 from ._comm import CollectiveError, collective_timeout, set_collective_timeout
 from ._comm_divergence import DivergenceError, set_divergence_check
 from .api import full_state_dict, gather_stats, load_full_state_dict, shard_module
 from .checkpoint import load_checkpoint, save_checkpoint, sharded_optimizer_state_dict, sharded_state_dict
 from .composable import gradient_sync, unshard_module
-from .dispatch import ShardedOpError
+from ._dispatch import ShardedOpError
 from .gather import Gatherer, GatherMode
 from .layerwise import OwnerLayout, placement_plan
 from .materialize import materialize
+from .policy import GatherPolicy, MixedPrecisionPolicy
 from .reduce import ExactReducer
-from .tensor import ShardedParam, ShardLayout
+from ._layout import ShardLayout
+from .tensor import ShardedParam
 
 __all__ = [
     "ShardedParam",
@@ -37,6 +38,8 @@ __all__ = [
     "Gatherer",
     "GatherMode",
     "ExactReducer",
+    "GatherPolicy",
+    "MixedPrecisionPolicy",
     "set_collective_timeout",
     "collective_timeout",
     "CollectiveError",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import os
 import pickle
 from contextvars import ContextVar
@@ -66,11 +65,8 @@ _timeout_s: float = float(os.environ.get("SHARDTENSOR_COLLECTIVE_TIMEOUT", "600"
 _label: ContextVar[str] = ContextVar("shardtensor_collective_label", default="")
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or did not complete in time: another rank died, skipped a step, or runs another program."""
-
-
-from ._comm_work import CollectiveResult, _CopyOnWait, _DoneWork, _WorkList  # noqa: E402,F401 (re-exported)
+from ._comm_work import (  # noqa: E402,F401 (re-exported)
+    _WIRE_DTYPE, CollectiveError, CollectiveResult, _CopyOnWait, _dense, _DoneWork, _reducible, _rows_alias, _WorkList)
 
 # Imported here, after CollectiveError, which DivergenceError subclasses (the module imports it from this one).
 from . import _comm_divergence as _div  # noqa: E402
@@ -79,7 +75,7 @@ from . import _comm_divergence as _div  # noqa: E402
 def _check(kind: str, tensor: torch.Tensor, group, label: str) -> int:
     """Before every data collective: the group's sequence number, after the cross-rank identity check
     (see [Note: the identity check] in ``_comm_divergence``)."""
-    return _div.check_identity(kind, tensor, group, label or _label.get())
+    return _div.check_identity(kind, tensor, group, label or _label.get(), _identity_all_gather)
 
 
 def set_collective_timeout(seconds: float) -> float:
@@ -109,6 +105,12 @@ def labelled(text: str) -> Iterator[None]:
         yield
     finally:
         _label.reset(token)
+
+
+def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str, seq: int) -> None:
+    """The identity check's own exchange (``_comm_divergence``): not itself checked, but timed and probed."""
+    fn = _all_gather_single or dist.all_gather_into_tensor
+    _TimedWork(fn(out, inp, group=group, async_op=True), "identity all-gather", inp, group, what, seq).wait()
 
 
 class _TimedWork:
@@ -206,40 +208,6 @@ def _on_gloo_cpu(tensor: torch.Tensor, group: ProcessGroup) -> bool:
     """CPU tensors on a gloo group: gathered by broadcasts, reduce-scattered by in-place reduces (see above)."""
     # Asked every time (2 us): a process group can be destroyed and the default one re-created on another backend.
     return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
-
-
-def _rows_alias(buffer: torch.Tensor, start: int, rows: int) -> torch.Tensor:
-    """Rows ``[start, start + rows)`` of a contiguous buffer, sharing its storage without being a view of it:
-    gloo's worker thread releases a finished work a moment after ``wait()`` returns, and a view would keep the
-    buffer's tensor (and so the caller's Python object) alive until then."""
-    row_numel = math.prod(buffer.shape[1:])
-    alias = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
-    return alias.set_(buffer.untyped_storage(), buffer.storage_offset() + start * row_numel,
-                      (rows, *buffer.shape[1:]))
-
-
-# gloo has no kernels for these dtypes; a gather only copies bits, so it moves them as a dtype of the same width
-# (``w.short()`` on a sharded parameter is a shard-wise int16 tensor whose gather would otherwise fail).
-_WIRE_DTYPE = {torch.int16: torch.float16, torch.uint16: torch.float16, torch.uint32: torch.int32,
-               torch.uint64: torch.int64}
-
-
-def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """A collective's input as a real buffer: autograd hands an efficient ZeroTensor as the gradient of ops whose
-    derivative is zero (``torch.sgn`` of a real tensor), and gloo aborts the process on one."""
-    if tensor._is_zerotensor():
-        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    return tensor
-
-
-def _reducible(tensor: torch.Tensor, what: str) -> None:
-    if tensor._is_zerotensor():
-        raise TypeError(f"{what}: the tensor is an immutable ZeroTensor (a zero gradient autograd did not "
-                        "materialise); gloo aborts on one and an in-place collective cannot write into it. "
-                        "Fix: pass torch.zeros_like(tensor) (a dense copy).")
-    if tensor.dtype in _WIRE_DTYPE:
-        raise TypeError(f"{what}: gloo/NCCL have no reduction for {tensor.dtype}. Fix: reduce in a supported dtype "
-                        "(e.g. tensor.to(torch.int32)) and cast back.")
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._comm import CollectiveError
+from ._comm_work import CollectiveError
 
 log = logging.getLogger("shardtensor")
 
@@ -145,7 +145,7 @@ def _describe(kind: str, label: str, numel: int, dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- identity check
-def check_identity(kind: str, tensor: torch.Tensor, group, label: str) -> int:
+def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gather) -> int:
     """Advance this rank's position on ``group``; when the check is on, exchange the identity record and raise
     ``DivergenceError`` on every rank if any rank is about to issue something else.  Returns the sequence number."""
     pos = position(group)
@@ -159,31 +159,24 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str) -> int:
     mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code], dtype=torch.int64,
                         device=tensor.device)
     everyone = torch.empty(world * _FIELDS, dtype=torch.int64, device=tensor.device)
-    _raw_all_gather(everyone, mine, group, f"identity check before {pos.label}", pos)
+    all_gather(everyone, mine, group, f"identity check before {pos.label}", pos.seq)
     if torch.equal(everyone.view(world, _FIELDS), mine.expand(world, _FIELDS)):
         _stats[0] += 1
         _stats[1] += time.perf_counter() - started
         return pos.seq
     # Every rank holds the same records, so every rank is here: one more exchange for the full names.
     text = _describe(kind, label, tensor.numel(), tensor.dtype)
-    _raise_divergence(everyone.view(world, _FIELDS).tolist(), text, group, pos)
+    _raise_divergence(everyone.view(world, _FIELDS).tolist(), text, group, pos, all_gather)
 
 
-def _raw_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str, pos: _Position) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    from ._comm import _TimedWork  # the timed, probed wait whose errors name the step
-
-    _TimedWork(fn(out, inp, group=group, async_op=True), "identity all-gather", inp, group, what, pos.seq).wait()
-
-
-def _raise_divergence(records: list, text: str, group, pos: _Position):
+def _raise_divergence(records: list, text: str, group, pos: _Position, all_gather):
     world = len(records)
     encoded = text.encode()[:_LABEL_BYTES]
     mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
     mine[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     device = torch.device("cpu") if dist.get_backend(group) != "nccl" else torch.device("cuda")
     everyone = torch.empty(world * _LABEL_BYTES, dtype=torch.uint8, device=device)
-    _raw_all_gather(everyone, mine.to(device), group, "exchanging names after a divergence", pos)
+    all_gather(everyone, mine.to(device), group, "exchanging names after a divergence", pos.seq)
     rows = everyone.cpu().view(world, _LABEL_BYTES)
     texts = [bytes(rows[r].tolist()).rstrip(b"\0").decode(errors="replace") for r in range(world)]
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)

@@ -1,13 +1,19 @@
-"""Work handles that combine or stand in for ``torch.distributed`` works (no communication of their own).
+"""Work handles that combine or stand in for ``torch.distributed`` works, and how tensors go on the wire (buffer
+aliases, dtypes gloo cannot carry, ZeroTensors): nothing here communicates.
 
 Split out of ``_comm`` so that module keeps the collectives themselves; ``_comm`` re-exports every name.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete in time: another rank died, skipped a step, or runs another program."""
 
 
 class _DoneWork:
@@ -62,3 +68,37 @@ class _CopyOnWait:
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
+
+
+def _rows_alias(buffer: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows ``[start, start + rows)`` of a contiguous buffer, sharing its storage without being a view of it:
+    gloo's worker thread releases a finished work a moment after ``wait()`` returns, and a view would keep the
+    buffer's tensor (and so the caller's Python object) alive until then."""
+    row_numel = math.prod(buffer.shape[1:])
+    alias = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    return alias.set_(buffer.untyped_storage(), buffer.storage_offset() + start * row_numel,
+                      (rows, *buffer.shape[1:]))
+
+
+# gloo has no kernels for these dtypes; a gather only copies bits, so it moves them as a dtype of the same width
+# (``w.short()`` on a sharded parameter is a shard-wise int16 tensor whose gather would otherwise fail).
+_WIRE_DTYPE = {torch.int16: torch.float16, torch.uint16: torch.float16, torch.uint32: torch.int32,
+               torch.uint64: torch.int64}
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A collective's input as a real buffer: autograd hands an efficient ZeroTensor as the gradient of ops whose
+    derivative is zero (``torch.sgn`` of a real tensor), and gloo aborts the process on one."""
+    if tensor._is_zerotensor():
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return tensor
+
+
+def _reducible(tensor: torch.Tensor, what: str) -> None:
+    if tensor._is_zerotensor():
+        raise TypeError(f"{what}: the tensor is an immutable ZeroTensor (a zero gradient autograd did not "
+                        "materialise); gloo aborts on one and an in-place collective cannot write into it. "
+                        "Fix: pass torch.zeros_like(tensor) (a dense copy).")
+    if tensor.dtype in _WIRE_DTYPE:
+        raise TypeError(f"{what}: gloo/NCCL have no reduction for {tensor.dtype}. Fix: reduce in a supported dtype "
+                        "(e.g. tensor.to(torch.int32)) and cast back.")

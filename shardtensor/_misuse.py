@@ -133,15 +133,17 @@ def flush_deferred(grad_sync) -> None:
     """Reduce every deferred gradient the synced backward did not reach (a parameter used only in a deferred
     micro-batch) and add it to ``.grad``, as if that backward had reached it.  Keys go in deferral order, which is
     the backward's hook order and so the same on every rank: the collectives match."""
-    from .tensor import ShardedParam, ShardLayout
+    from ._layout import ShardLayout
+    from .tensor import ShardedParam
 
     owners = grad_sync.__dict__.get("_deferred_owner", {})
     for key in [k for k in grad_sync._deferred if k in owners]:
         kept = grad_sync._deferred.pop(key)
         param, where = owners.pop(key)
         if isinstance(where, ShardLayout):
-            shard = where.reduce_grad(kept, grad_sync.reducer, key)
-            grad = ShardedParam(shard.to(param.dtype), where, (), None, key)
+            shard = grad_sync.strategy.reduce_grad(kept, where, key=key, dtype=param.dtype, owned=True,
+                                                   overlap=False)
+            grad = ShardedParam(shard.to(param.dtype), where, name=key)
         else:
             _comm.all_reduce(kept, where, op="avg")
             grad = kept

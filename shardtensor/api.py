@@ -9,9 +9,13 @@ import torch
 from torch import nn
 
 from . import _comm, _misuse
+from ._layout import ShardLayout
+from ._full import gather_full
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
-from .tensor import ShardedParam, ShardLayout
+from .layerwise import OwnerReducer, owner_layouts
+from .policy import GatherPolicy, MixedPrecisionPolicy
+from .tensor import ShardedParam
 
 
 @dataclass
@@ -44,7 +48,7 @@ def shard_module(
     module: nn.Module,
     *,
     group=None,
-    gather: str = "overlapped",
+    gather: "str | GatherPolicy" = "overlapped",
     prefetch_bytes: Optional[int] = None,
     min_free_bytes: int = 1 << 30,
     reducer: Optional[GradientReducer] = None,
@@ -53,6 +57,7 @@ def shard_module(
     reduce_dtype: Optional[torch.dtype] = None,
     persist_numel: int = 0,
     offload=None,
+    mixed_precision: Optional[MixedPrecisionPolicy] = None,
 ) -> nn.Module:
     """Replace every floating parameter of ``module`` (dim >= 1) by a ``ShardedParam``, in place.
 
@@ -68,7 +73,9 @@ def shard_module(
     Args:
         module: the model; its parameters must hold the same values on every rank (same seed).
         group: process group to shard over (Default: the default group; a single process needs none).
-        gather: ``"sequential"``, ``"overlapped"`` or ``"auto"`` (Default: ``"overlapped"``).
+        gather: ``"sequential"``, ``"overlapped"`` or ``"auto"``, or a ``GatherPolicy`` holding the mode,
+            ``prefetch_bytes``, ``min_free_bytes`` and ``persist_numel`` (then leave those keywords out)
+            (Default: ``"overlapped"``).
         prefetch_bytes: prefetch budget of overlapped mode, also the bound on gradient reduce-scatters in flight
             (Default: twice the 90th percentile of the parameters' gathered sizes).
         min_free_bytes: auto mode's memory threshold (Default: 1 GiB).
@@ -87,6 +94,7 @@ def shard_module(
         offload: ``shardtensor.offload.CPUOffload(...)``: shards in pinned host memory, copied to the GPU before
             their gathers (CUDA only; on a CPU-only machine it raises instead of copying host to host).
             Optimizer state goes to NVMe through ``shardtensor.offload.NVMeCPUAdam`` instead. (Default: None)
+        mixed_precision: a ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` instead of the two keywords.
     Returns:
         ``module`` itself.
     """
@@ -97,12 +105,16 @@ def shard_module(
         )
     _refuse_parameters_sharded_elsewhere(module)
     _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
-    try:
-        mode = GatherMode(gather)
-    except ValueError:
-        raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
-    gatherer = Gatherer(mode, prefetch_bytes=prefetch_bytes, min_free_bytes=min_free_bytes, param_dtype=param_dtype)
-    grad_sync = GradSync(reducer if reducer is not None else ExactReducer(reduce_dtype))
+    policy = _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel)
+    precision = _precision_policy(mixed_precision, param_dtype, reduce_dtype)
+    param_dtype, persist_numel = precision.param_dtype, policy.persist_numel
+    gatherer = Gatherer(policy.mode, prefetch_bytes=policy.prefetch_bytes, min_free_bytes=policy.min_free_bytes,
+                        param_dtype=param_dtype)
+    reducer = reducer if reducer is not None else ExactReducer(precision.reduce_dtype)
+    # Layer-wise gradients reduce to their owner: that placement's reducer (owner_layouts refuses the others).
+    strategy = OwnerReducer(reducer.reduce_dtype) if placement == "layerwise" and isinstance(reducer, ExactReducer) \
+        else None
+    grad_sync = GradSync(reducer, strategy=strategy)
     grad_sync.pending_budget = gatherer.reduce_overlap_bytes
     _refuse_dtensor_parameters(module)
     _check_same_model_on_every_rank(module, group)
@@ -110,8 +122,6 @@ def shard_module(
         raise ValueError(f"shard_module: placement={placement!r}; expected 'dim0' or 'layerwise'")
     layouts: dict = {}
     if placement == "layerwise":
-        from .layerwise import owner_layouts
-
         layouts = owner_layouts(module, group, reducer)
 
     replaced: dict[int, nn.Parameter] = {}
@@ -146,6 +156,27 @@ def shard_module(
             )
         offload.attach(module)
     return module
+
+
+def _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel) -> GatherPolicy:
+    if isinstance(gather, GatherPolicy):
+        if (prefetch_bytes, min_free_bytes, persist_numel) != (None, 1 << 30, 0):
+            raise ValueError("shard_module: gather=GatherPolicy(...) already holds prefetch_bytes, min_free_bytes and "
+                             "persist_numel; pass them in the policy, not as keywords too")
+        return gather
+    try:
+        return GatherPolicy(gather, prefetch_bytes, min_free_bytes, persist_numel)
+    except ValueError:
+        raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
+
+
+def _precision_policy(policy, param_dtype, reduce_dtype) -> MixedPrecisionPolicy:
+    if policy is None:
+        return MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    if param_dtype is not None or reduce_dtype is not None:
+        raise ValueError("shard_module: pass either mixed_precision=MixedPrecisionPolicy(...) or "
+                         "param_dtype=/reduce_dtype=, not both")
+    return policy
 
 
 def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = (),
@@ -186,7 +217,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
             local = torch.empty(layout.local_shape(), dtype=param.dtype, device="meta")
         else:
             local = layout.shard_of(param.detach())
-    sharded = ShardedParam(local, layout, (), gatherer, fqn)
+    sharded = ShardedParam(local, layout, gatherer=gatherer, name=fqn)
     new = nn.Parameter(sharded, requires_grad=param.requires_grad)
     new._gatherer = gatherer
     new._name = fqn
@@ -289,8 +320,6 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str,
             other ranks take part in the gathers, hold one full tensor at a time, and get ``{}``.
             (Default: ``False``: every rank gets the full state dict.)
     """
-    from .gather import gather_full
-
     keep = not rank0_only or _comm.rank(getattr(getattr(module, "_shardtensor", None), "group", None)) == 0
     out = {}
     for key, value in module.state_dict().items():

@@ -2,7 +2,7 @@
 
 Modes (``GatherMode``):
   - ``sequential``: gather on demand, free as soon as the op that needed it returns.  At most the parameters
-    of one op are alive (one, for the ops ``dispatch.py`` decomposes: linear+bias, layer/batch norm, conv+bias).
+    of one op are alive (one, for the ops ``_dispatch/sequential.py`` decomposes: linear+bias, layer/batch norm, conv+bias).
   - ``overlapped``: the first step records the order of gathers (forward and backward); later steps issue
     async all-gathers for the next parameters in that order while the current op runs, within
     ``prefetch_bytes``.  A gather that does not match the recorded order is detected, in-flight prefetches are
@@ -26,14 +26,22 @@ from __future__ import annotations
 import enum
 import logging
 import weakref
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from . import _comm
-from .tensor import ShardedParam, ShardLayout, apply_views
+from ._layout import ShardLayout, apply_views
+from ._full import gather_full, gather_now  # noqa: F401  (gather_full: re-exported for callers of the Gatherer)
+from ._memory import shared_monitor
+
+if TYPE_CHECKING:  # annotations only: tensor.py imports this module (ShardedParam.full_tensor)
+    from .tensor import ShardedParam
 
 log = logging.getLogger(__name__)
+
+_MAX_RECORDING_PER_PARAM = 8  # a step gathers each parameter a few times (forward, backward, tied uses)
+_SOURCE_LOOKAHEAD = 8  # parameters of the recorded order a ShardSource hears about ahead of their gathers
 
 
 class GatherMode(str, enum.Enum):
@@ -42,13 +50,32 @@ class GatherMode(str, enum.Enum):
     AUTO = "auto"
 
 
+class GatherState(enum.Enum):
+    """Where the Gatherer is in its step: recording the gather order, or replaying (and prefetching) it."""
+
+    RECORDING = enum.auto()  # the first step, and the rest of a step whose order changed
+    REPLAYING = enum.auto()  # the recorded order stands: prefetch along it
+
+
+class ShardSource(Protocol):
+    """Where a gather reads a parameter's shard from, when not from ``param.to_local()`` (CPU offload).
+
+    The Gatherer calls ``shard_for_gather`` for the shard it is about to gather (the result must be on the
+    compute device, in the shard's shape), then ``upcoming`` with the next parameters of the recorded order (an
+    empty list while it records) so the source can stage them early, and ``on_step_begin`` at every step."""
+
+    def shard_for_gather(self, index: int, param: ShardedParam) -> torch.Tensor: ...
+
+    def upcoming(self, params: Sequence[tuple[int, ShardedParam]]) -> None: ...
+
+    def on_step_begin(self) -> None: ...
+
+
 def _free_memory_bytes(device: torch.device) -> int:
     """Free memory where the gathered tensors live: the CUDA allocator's view, or the host's (psutil).
 
-    Read from the monitor the offload layer shares (``shardtensor.offload.monitor``), so both decide from the
-    same numbers."""
-    from shardtensor.offload.monitor import shared_monitor  # lazy: offload imports the core
-
+    Read from the process-wide monitor (``shardtensor._memory``) that the offload layer reads too, so both
+    decide from the same numbers."""
     return shared_monitor().free_bytes(device)
 
 
@@ -83,14 +110,17 @@ class Gatherer:
         self.free_memory_fn = free_memory_fn or _free_memory_bytes
         # Where a gather reads the shard from: ``param._local`` unless an offload (``shardtensor.offload.
         # CPUOffload``) homes shards elsewhere and hands over a device copy, prefetched in the recorded order.
-        self._shard_source: Optional[Callable[[int, ShardedParam], torch.Tensor]] = None
+        self._shard_source: Optional[ShardSource] = None
         self._params: list[ShardedParam] = []  # registered base parameters, by index
         self._index: dict[int, int] = {}  # id(param._local) -> index
         self._entries: dict[int, _Entry] = {}  # index -> gathered / in-flight buffer
         self._order: list[int] = []  # recorded gather order of one step
         self._recording: list[int] = []
-        self._is_recording = True
+        self._state = GatherState.RECORDING
         self._pos = 0
+        self._backward_end_queued = False  # an end-of-backward callback will start the next step
+        self._step_ended = False  # a backward ended: the next gather starts a step (no root forward seen)
+        self._steps_marked = False  # someone calls step_begin (the root forward hook): trust it
         self._pressure = False  # auto mode: currently sequential because memory is low
         self._communicates = False  # a world of one gathers by aliasing: nothing to prefetch or overlap
         self._aliases_shards = False  # ... and with nothing to cast or fetch, acquire() returns the shard itself
@@ -135,13 +165,29 @@ class Gatherer:
         self._aliases_shards = self._plain_world_of_one()
 
     @property
-    def shard_source(self) -> Optional[Callable[[int, ShardedParam], torch.Tensor]]:
+    def shard_source(self) -> Optional[ShardSource]:
         return self._shard_source
 
     @shard_source.setter
-    def shard_source(self, fn: Optional[Callable[[int, ShardedParam], torch.Tensor]]) -> None:
-        self._shard_source = fn
+    def shard_source(self, source: Optional[ShardSource]) -> None:
+        self._shard_source = source
         self._aliases_shards = self._plain_world_of_one()
+
+    def rehome_shards(self, move: Callable[[ShardedParam], torch.Tensor]) -> None:
+        """Give every registered parameter the shard ``move(param)`` returns (same shape and dtype: an offload
+        moving shards to host memory) and re-index them (parameters are found by their shard's identity)."""
+        for param in self._params:
+            param.rehome_(move(param))
+        self._index = {id(p._local): i for i, p in enumerate(self._params)}
+
+    def _assert_in_states(self, *states: GatherState) -> None:
+        if self._state not in states:
+            raise AssertionError(f"Gatherer: expected state {[s.name for s in states]}, in {self._state.name}")
+
+    def _to_state(self, state: GatherState) -> None:
+        """The two transitions: RECORDING -> REPLAYING (an order was recorded), REPLAYING -> RECORDING (it broke)."""
+        self._assert_in_states(GatherState.REPLAYING if state is GatherState.RECORDING else GatherState.RECORDING)
+        self._state = state
 
     def _plain_world_of_one(self) -> bool:
         """Every parameter's full tensor is its shard: world 1, dim-0 layouts, no dtype cast, shards in place."""
@@ -150,21 +196,45 @@ class Gatherer:
 
     def step_begin(self) -> None:
         """Called at the root module's forward: a new forward+backward sequence starts."""
+        self._steps_marked = True
+        self._begin_step()
+
+    def _begin_step(self) -> None:
         self._drop_all()
-        if self._is_recording:
-            if self._recording:
-                self._order = self._recording
-                self._is_recording = False
-        elif self._pos < len(self._order):
-            pass  # a shorter step (eval forward, no backward): the order still stands
+        if self._state is GatherState.RECORDING and self._recording:
+            self._order = self._recording
+            self._to_state(GatherState.REPLAYING)
+        # (replaying a shorter step, e.g. an eval forward with no backward: the order still stands)
         self._recording = []
         self._pos = 0
+        self._step_ended = False
         self._alive_refs = [r for r in self._alive_refs if r() is not None]  # bounded over a long run
+        if self._shard_source is not None:
+            self._shard_source.on_step_begin()
+
+    # [Note: step boundaries without a root forward]
+    # ``shard_module`` marks a step at the root module's forward.  A root that is a container whose children
+    # are called directly (``model[0](x)``) has no forward, so the backward's end marks it instead: the first
+    # gather after a backward begins a step.  Without that the recording would grow by a step's gathers every
+    # step, forever, and overlapped mode would never replay (so never prefetch).  A program that only runs
+    # forwards through such children is bounded by ``_MAX_RECORDING_PER_PARAM``.
+    def _note_gather(self) -> None:
+        if self._steps_marked:
+            return
+        if self._step_ended:
+            self._begin_step()
+        if not self._backward_end_queued and torch._C._current_graph_task_id() != -1:  # inside a backward
+            self._backward_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._backward_end_queued = False
+        self._step_ended = True
 
     @property
     def recorded_order(self) -> list[str]:
         """Parameter names in gather order: the order being recorded, else the one being replayed."""
-        order = self._recording if self._is_recording else self._order
+        order = self._recording if self._state is GatherState.RECORDING else self._order
         return [self._params[i]._name for i in order]
 
     def alive_buffers(self) -> int:
@@ -175,6 +245,7 @@ class Gatherer:
     # ------------------------------------------------------------------ acquire / release
     def acquire(self, param: ShardedParam) -> torch.Tensor:
         """The full base tensor of ``param`` (views not applied); pair with ``release``."""
+        self._note_gather()
         if self._aliases_shards:  # a world of one: the shard is the full tensor; keep only the order and count
             index = self._index.get(id(param._local))
             if index is not None:
@@ -183,7 +254,7 @@ class Gatherer:
             return param._local
         index = self._index.get(id(param._local))
         if index is None:  # not a registered parameter (e.g. a derived ShardedParam): plain on-demand gather
-            return _gather_now(param._local, param._layout)
+            return gather_now(param._local, param._layout)
         self._advance(index)
         entry = self._entries.get(index)
         local = param._local
@@ -220,8 +291,10 @@ class Gatherer:
 
     # ------------------------------------------------------------------ internals
     def _advance(self, index: int) -> None:
-        if self._is_recording:
+        if self._state is GatherState.RECORDING:
             self._recording.append(index)
+            if len(self._recording) > _MAX_RECORDING_PER_PARAM * max(1, len(self._params)):
+                self._recording = [index]  # no step boundary in sight: keep the bookkeeping bounded
             return
         if self._pos < len(self._order) and self._order[self._pos] == index:
             self._pos += 1
@@ -233,13 +306,13 @@ class Gatherer:
                  self._pos, expected, self._params[index]._name)
         self._drain_prefetches()
         self._recording = self._order[: self._pos] + [index]
-        self._is_recording = True
+        self._to_state(GatherState.RECORDING)
 
     def _needed_next(self, index: int) -> bool:
         """Keep a released buffer for the next op that reads it (overlapped mode only: sequential mode holds one
         buffer per op, and the next use can be far, e.g. the tied embedding from the last op of forward across
         the loss to the first op of backward, where it would sit on the step's memory peak)."""
-        return (not self._is_recording) and self._pos < len(self._order) and self._order[self._pos] == index \
+        return self._state is GatherState.REPLAYING and self._pos < len(self._order) and self._order[self._pos] == index \
             and self._overlapping()
 
     def _overlapping(self) -> bool:
@@ -256,7 +329,7 @@ class Gatherer:
         return True
 
     def _prefetch(self) -> None:
-        if self._is_recording or not self._overlapping():
+        if self._state is GatherState.RECORDING or not self._overlapping():
             return
         budget = self._budget() - sum(
             e.full.numel() * e.full.element_size() for e in self._entries.values() if e.users <= 0
@@ -280,7 +353,7 @@ class Gatherer:
         param = self._params[index]
         if not async_op:
             self._evict_unused()
-        local = param._local if self.shard_source is None else self.shard_source(index, param)
+        local = param._local if self._shard_source is None else self._shard_for_gather(index, param)
         if self.param_dtype is not None and local.dtype != self.param_dtype and local.is_floating_point():
             local = local.to(self.param_dtype)
         with _comm.labelled(f"all-gather of {param._name!r}"):  # names the step if a rank dies or hangs
@@ -292,8 +365,17 @@ class Gatherer:
         self._entries[index] = entry
         self.gathers += 1
         self._alive_refs.append(weakref.ref(full))
+        if len(self._alive_refs) > 2 * len(self._params) + 16:  # bounded without a step boundary too
+            self._alive_refs = [r for r in self._alive_refs if r() is not None]
         self.max_alive = max(self.max_alive, len(self._entries))
         return entry
+
+    def _shard_for_gather(self, index: int, param: ShardedParam) -> torch.Tensor:
+        local = self._shard_source.shard_for_gather(index, param)
+        upcoming = [] if self._state is GatherState.RECORDING else \
+            [(i, self._params[i]) for i in self._order[self._pos : self._pos + _SOURCE_LOOKAHEAD] if i != index]
+        self._shard_source.upcoming(upcoming)
+        return local
 
     def _evict_unused(self) -> None:
         """Sequential mode's promise: before a new gather, nothing unused stays alive."""
@@ -313,14 +395,3 @@ class Gatherer:
     def _drop_all(self) -> None:
         for index in [i for i, e in self._entries.items() if e.users <= 0]:
             self._drop(index)
-
-
-def _gather_now(local: torch.Tensor, layout) -> torch.Tensor:
-    buffer = layout.gather(local).buffer
-    return buffer[: layout.shape[0]]
-
-
-def gather_full(param: ShardedParam) -> torch.Tensor:
-    """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
-    with _comm.labelled(f"all-gather of {param._name!r}"):
-        return apply_views(_gather_now(param._local, param._layout), param._views)

@@ -1,4 +1,4 @@
-"""Layer-wise placement: every parameter is owned whole by one rank (DESIGN.md section 9).
+"""Layer-wise placement: every parameter is owned whole by one rank (see ARCHITECTURE.md).
 
 ``shard_module(model, placement="layerwise")`` gives each parameter an ``OwnerLayout``.  A placement is a
 layout: the ShardedParam interface, the op table and the Gatherer are the dim-0 ones, only the layout's
@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from . import _comm
-from .tensor import ShardLayout
+from ._layout import ShardLayout
+from .reduce import ExactReducer
+from .tensor import ShardedParam
 
 
 @dataclass(frozen=True)
@@ -93,26 +95,6 @@ class OwnerLayout(ShardLayout):
     def gather_numel(self) -> int:
         return self.shape.numel()
 
-    def reduce_grad(self, grad: torch.Tensor, reducer, key: str) -> torch.Tensor:
-        """Sum every rank's full gradient to the owner, divide by the world there (the mean, as dim 0 gives).
-
-        Exact in ``reducer.reduce_dtype`` when it has one (``ExactReducer``); compressed reducers are refused
-        by ``shard_module``.  Non-owners return a 0-row gradient, matching their 0-row ``_local``.
-        """
-        wire_dtype = getattr(reducer, "reduce_dtype", None) or grad.dtype
-        if _comm.inputs_overwritable() and grad.dtype == wire_dtype and grad.is_contiguous():
-            wire = grad  # the gradient hook vouches that nobody else holds it
-        else:
-            # A copy we own: reduce may use the non-destinations' tensor as scratch, and autograd's gradient may
-            # be shared with another input (``x + W`` passes one buffer to both).
-            wire = grad.to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
-        _comm.reduce(wire, self.owner, self.group)
-        if not self.owns:
-            return grad.new_empty((0, *self.shape[1:]))
-        if self.world > 1:
-            wire.div_(self.world)
-        return wire.to(grad.dtype)
-
     def pad(self, full: torch.Tensor) -> torch.Tensor:
         return full.contiguous()
 
@@ -120,6 +102,31 @@ class OwnerLayout(ShardLayout):
         if self.owns:
             return full.detach().clone(memory_format=torch.contiguous_format)
         return torch.empty(self.local_shape(), dtype=full.dtype, device=full.device)
+
+class OwnerReducer(ExactReducer):
+    """Layer-wise gradients: every rank's full gradient is summed to the parameter's owner (``GradStrategy``)."""
+
+    def reduce_grad(self, grad: torch.Tensor, layout: OwnerLayout, *, key: str, dtype: torch.dtype, owned: bool,
+                    overlap: bool) -> torch.Tensor:
+        """Sum every rank's full gradient to the owner, divide by the world there (the mean, as dim 0 gives).
+
+        Exact, in ``reduce_dtype`` when given; compressed reducers are refused by ``shard_module``.  Non-owners
+        return a 0-row gradient, matching their 0-row ``_local``.  Never asynchronous (``overlap`` is ignored).
+        """
+        wire_dtype = self.reduce_dtype or grad.dtype
+        if _comm.inputs_overwritable() and grad.dtype == wire_dtype and grad.is_contiguous():
+            wire = grad  # the gradient hook vouches that nobody else holds it
+        else:
+            # A copy we own: reduce may use the non-destinations' tensor as scratch, and autograd's gradient may
+            # be shared with another input (``x + W`` passes one buffer to both).
+            wire = grad.to(wire_dtype, memory_format=torch.contiguous_format, copy=True)
+        with _comm.labelled(f"gradient reduction of {key!r}"):
+            _comm.reduce(wire, layout.owner, layout.group)
+        if not layout.owns:
+            return grad.new_empty((0, *layout.shape[1:]))
+        if layout.world > 1:
+            wire.div_(layout.world)
+        return wire.to(grad.dtype)
 
 
 def plan_placement(sizes: Sequence[int], world: int) -> list[int]:
@@ -144,8 +151,6 @@ def _placed_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def owner_layouts(module: nn.Module, group=None, reducer=None) -> dict[int, OwnerLayout]:
     """``id(parameter) -> OwnerLayout`` for every parameter ``shard_module`` will shard (used by ``shard_module``)."""
-    from .reduce import ExactReducer
-
     if reducer is not None and not isinstance(reducer, ExactReducer):
         raise NotImplementedError(
             f"shard_module(placement='layerwise'): reducer={type(reducer).__name__} is not supported yet; "
@@ -158,7 +163,5 @@ def owner_layouts(module: nn.Module, group=None, reducer=None) -> dict[int, Owne
 
 def placement_plan(module: nn.Module) -> dict[str, int]:
     """Owner rank of each layer-wise parameter of a sharded ``module``, by name (never communicates)."""
-    from .tensor import ShardedParam
-
     return {n: p._layout.owner for n, p in module.named_parameters()
             if isinstance(p, ShardedParam) and isinstance(p._layout, OwnerLayout)}

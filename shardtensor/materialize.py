@@ -7,7 +7,7 @@
 
 [Note: same values as unsharded init]
 ``nn.init`` draws in place (``uniform_``, ``normal_``...).  On a ShardedParam the op table draws the *full*
-tensor from the same generator and keeps this rank's rows (dispatch.py, ``_random_init``), so with the same
+tensor from the same generator and keeps this rank's rows (``_dispatch/local.py``, ``_random_init``), so with the same
 seed every rank ends with its rows of exactly the tensor an unsharded init draws, and the generator advances by
 the same amount.  The price is one full parameter alive during its own init: peak memory is the shards plus the
 largest single parameter, never the whole model.
@@ -131,9 +131,9 @@ def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.devic
     on the swapped-out tensor, so it is registered again here.
     """
     if isinstance(param, ShardedParam):
-        meta_local = param._local
+        meta_local = param.to_local()
         local = torch.zeros(meta_local.shape, dtype=param.dtype, device=device)
-        real = nn.Parameter(ShardedParam(local, param._layout, (), state.gatherer, fqn), requires_grad=param.requires_grad)
+        real = nn.Parameter(ShardedParam(local, param.shard_layout, gatherer=state.gatherer, name=fqn), requires_grad=param.requires_grad)
         torch.utils.swap_tensors(param, real)
         param._backward_hooks = None  # swap_tensors leaves the Python hook dict behind, unwired: start afresh
         param._gatherer, param._name = state.gatherer, fqn

@@ -1,4 +1,4 @@
-"""Gradients: the full gradient arrives, this rank's shard of the mean leaves (DESIGN.md section 5).
+"""Gradients: the full gradient arrives, this rank's shard of the mean leaves (see ARCHITECTURE.md).
 
 [Note: why a pre-accumulate hook]
 The hook is a tensor hook on the leaf (``register_hook``), so it runs *before* AccumulateGrad.  It turns the
@@ -7,13 +7,18 @@ accumulation) ShardedParams of one layout, which the op table runs shard-wise.  
 see the full gradient already summed into a sharded ``.grad`` it cannot reduce any more.  The full gradient is
 dropped when the hook returns.
 
-Reducers are pluggable.  The protocol::
+Reducers are pluggable.  The protocol a user's reducer implements::
 
     reducer.reduce(full_grad, *, key, group) -> shard
 
 ``full_grad`` is this rank's un-reduced gradient padded with zero rows to ``(world * rows_per_rank, ...)``;
 the result is this rank's ``(rows_per_rank, ...)`` rows of the *mean* over ranks, in ``full_grad``'s dtype.
 ``ExactReducer`` reduce-scatters; ``shardtensor.optim.CompressedReducer`` sends 4-bit chunks.
+
+A reducer owns the placement logic too: ``GradSync`` calls ``reduce_grad(grad, layout, ...)`` (the
+``GradStrategy`` protocol), which pads, reduces, and may start the collective asynchronously.  ``ExactReducer``
+implements it; ``layerwise.OwnerReducer`` reduces to the owner; a reducer with only ``reduce`` is adapted by
+``as_strategy``.  So the gradient hook has one path whatever the placement and the reducer.
 """
 
 from __future__ import annotations
@@ -23,11 +28,36 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from . import _comm, _misuse
-from .tensor import ShardedParam, ShardLayout
+from ._layout import ShardLayout
+from .tensor import ShardedParam
 
 
 class GradientReducer(Protocol):
     def reduce(self, full_grad: torch.Tensor, *, key: str, group) -> torch.Tensor: ...
+
+
+class GradStrategy(Protocol):
+    def reduce_grad(self, grad: torch.Tensor, layout: ShardLayout, *, key: str, dtype: torch.dtype,
+                    owned: bool, overlap: bool) -> "torch.Tensor | PendingReduce":
+        """This rank's shard of the mean gradient (or a ``PendingReduce`` that becomes it, when ``overlap``
+        allows an asynchronous start).  ``grad`` is this rank's full gradient; ``owned``: nobody else holds it."""
+        ...
+
+
+class _ReduceOnly:
+    """A reducer that only implements ``reduce`` (e.g. ``CompressedReducer``), on dim-0 layouts."""
+
+    def __init__(self, reducer: GradientReducer):
+        self.reducer = reducer
+
+    def reduce_grad(self, grad, layout, *, key, dtype, owned, overlap):
+        with _comm.labelled(f"gradient reduction of {key!r}"):
+            return self.reducer.reduce(layout.pad(grad), key=key, group=layout.group)
+
+
+def as_strategy(reducer) -> GradStrategy:
+    """``reducer`` itself when it implements ``reduce_grad``, else an adapter around its ``reduce``."""
+    return reducer if hasattr(reducer, "reduce_grad") else _ReduceOnly(reducer)
 
 
 class ExactReducer:
@@ -44,6 +74,17 @@ class ExactReducer:
 
     def can_start(self, full_grad: torch.Tensor, group) -> bool:
         return _comm.world_size(group) > 1 and (self.reduce_dtype is None or self.reduce_dtype == full_grad.dtype)
+
+    def reduce_grad(self, grad: torch.Tensor, layout: ShardLayout, *, key: str, dtype: torch.dtype,
+                    owned: bool, overlap: bool) -> "torch.Tensor | PendingReduce":
+        if layout.world == 1 and grad.dtype == dtype and self.reduce_dtype in (None, dtype):
+            # The mean over one rank is the gradient itself: keep it, as AccumulateGrad would, unless someone
+            # else holds it (then a copy, as AccumulateGrad makes).
+            return grad if owned and grad.is_contiguous() else grad.clone(memory_format=torch.contiguous_format)
+        with _comm.labelled(f"gradient reduction of {key!r}"):  # named if a rank dies before it completes
+            if overlap and self.can_start(grad, layout.group):
+                return self.start(layout.pad(grad), key=key, group=layout.group)
+            return self.reduce(layout.pad(grad), key=key, group=layout.group)
 
     def reduce(self, full_grad: torch.Tensor, *, key: str, group) -> torch.Tensor:
         wire = full_grad if self.reduce_dtype is None else full_grad.to(self.reduce_dtype)
@@ -107,8 +148,9 @@ class GradSync:
     """Per-module switch and reducer shared by the gradient hooks of one ``shard_module`` call."""
 
     def __init__(self, reducer: GradientReducer, grad_dtype: Optional[torch.dtype] = None,
-                 max_pending_bytes: int = 64 << 20):
-        self.reducer = reducer
+                 max_pending_bytes: int = 64 << 20, strategy: Optional[GradStrategy] = None):
+        self.reducer = reducer  # the user's reducer (its state_dict is checkpointed)
+        self.strategy = strategy if strategy is not None else as_strategy(reducer)
         self.enabled = True
         self.grad_dtype = grad_dtype
         self.max_pending_bytes = max_pending_bytes
@@ -123,26 +165,13 @@ class GradSync:
     # end-of-backward callback waits and divides by the world size in place.  It is only safe when nothing
     # reads the gradient before backward ends, so it stays synchronous when the parameter already has a
     # gradient (AccumulateGrad adds at once), when post-accumulate hooks are registered (e.g. CPUAdam's
-    # speculative steps read it), or when the reducer or the layout cannot start one (4-bit, layer-wise).
-    def _can_overlap(self, param: ShardedParam, layout: ShardLayout, grad: torch.Tensor) -> bool:
+    # speculative steps read it), or when the reducer cannot start one (4-bit, layer-wise, a dtype change).
+    def _may_overlap(self, param: ShardedParam, grad: torch.Tensor, dtype: torch.dtype) -> bool:
         self.max_pending_bytes = self.pending_budget()
-        return (
-            self.max_pending_bytes > 0
-            and param.grad is None
-            and not getattr(param, "_post_accumulate_grad_hooks", None)
-            and hasattr(self.reducer, "can_start")
-            and type(layout).reduce_grad is ShardLayout.reduce_grad
-            and self.reducer.can_start(grad, layout.group)
-        )
+        return (self.max_pending_bytes > 0 and grad.dtype == dtype and param.grad is None
+                and not getattr(param, "_post_accumulate_grad_hooks", None))
 
-    def _is_identity(self, layout: ShardLayout, grad: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether reducing ``grad`` returns it unchanged: world 1, dim-0 layout, exact reducer, no dtype change."""
-        return (type(layout) is ShardLayout and type(self.reducer) is ExactReducer and grad.dtype == dtype
-                and self.reducer.reduce_dtype in (None, dtype))
-
-    def _start(self, grad: torch.Tensor, layout: ShardLayout, key: str) -> torch.Tensor:
-        with _comm.labelled(f"gradient reduction of {key!r}"):  # named if a rank dies before it completes
-            pending = self.reducer.start(layout.pad(grad), key=key, group=layout.group)
+    def _track(self, pending: PendingReduce) -> torch.Tensor:
         self._pending.append(pending)
         while sum(p.nbytes() for p in self._pending if p.work is not None) > self.max_pending_bytes:
             next(p for p in self._pending if p.work is not None).finish()
@@ -167,19 +196,15 @@ class GradSync:
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
                 self._defer(key, grad, (param, layout))
-                return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, (), None, key)
+                return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, name=key)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
-            if layout.world == 1 and self._is_identity(layout, grad, dtype):
-                # The mean over one rank is the gradient itself: keep it, as AccumulateGrad would, unless someone
-                # else holds it (then a copy, as AccumulateGrad makes).
-                return ShardedParam(grad if owned and grad.is_contiguous() else grad.clone(
-                    memory_format=torch.contiguous_format), layout, (), None, key)
             with _comm.inputs_may_be_overwritten(owned):  # nobody else reads this gradient after us
-                if grad.dtype == dtype and self._can_overlap(param, layout, grad):
-                    return ShardedParam(self._start(grad, layout, key), layout, (), None, key)
-                shard = layout.reduce_grad(grad, self.reducer, key)
-            return ShardedParam(shard.to(dtype), layout, (), None, key)
+                shard = self.strategy.reduce_grad(grad, layout, key=key, dtype=dtype, owned=owned,
+                                                  overlap=self._may_overlap(param, grad, dtype))
+            if isinstance(shard, PendingReduce):
+                shard = self._track(shard)
+            return ShardedParam(shard if shard.dtype == dtype else shard.to(dtype), layout, name=key)
 
         return hook
 

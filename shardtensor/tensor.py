@@ -4,7 +4,7 @@
 The wrapper has the *global* shape, dtype and device; its only storage is ``_local``, this rank's rows of the
 base tensor, padded with zero rows so every rank holds ``rows_per_rank`` rows (the all-gather then lands the
 full tensor in rank order with no copy).  Ops reach ``__torch_dispatch__`` (below autograd) and are routed by
-the op table in ``dispatch.py``.
+the op table in the ``_dispatch`` package (bound as ``ShardedParam._op_dispatcher``).
 
 [Note: views do not gather]
 ``F.linear`` calls ``t(weight)`` and autograd saves that view for backward.  If the view held the gathered
@@ -16,111 +16,13 @@ the chain is replayed on the gathered base tensor when a compute op needs the da
 from __future__ import annotations
 
 import copy
-import functools
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from . import _comm, _compile
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How one base tensor is split over a process group along dim 0 (immutable; shared by views and grads)."""
-
-    shape: torch.Size  # global shape of the base tensor
-    rows_per_rank: int  # padded rows each rank holds: ceil(shape[0] / world)
-    rank: int
-    world: int
-    group: Any = None  # ProcessGroup or None (the default group); compared by identity
-
-    @staticmethod
-    def for_shape(shape: torch.Size, group=None) -> "ShardLayout":
-        world = _comm.world_size(group)
-        rows = -(-shape[0] // world) if shape[0] else 0
-        return ShardLayout(torch.Size(shape), rows, _comm.rank(group), world, group)
-
-    @property
-    def row_start(self) -> int:
-        return min(self.rank * self.rows_per_rank, self.shape[0])
-
-    @property
-    def valid_rows(self) -> int:
-        """Rows of ``_local`` that hold data; the rest is padding (kept out of reductions and gathers)."""
-        return max(0, min(self.rows_per_rank, self.shape[0] - self.rank * self.rows_per_rank))
-
-    @property
-    def padded_shape(self) -> torch.Size:
-        return torch.Size((self.rows_per_rank * self.world, *self.shape[1:]))
-
-    def local_shape(self) -> torch.Size:
-        return torch.Size((self.rows_per_rank, *self.shape[1:]))
-
-    # The collectives of a placement live on its layout, so another placement (layer-wise ownership, say) is a
-    # layout subclass that overrides these three methods; gather.py and reduce.py only schedule them.
-    def gather(self, local: torch.Tensor, *, async_op: bool = False) -> _comm.CollectiveResult:
-        """Start gathering the full tensor; its first ``shape[0]`` rows of ``.buffer`` are the base tensor."""
-        if _comm.world_size(self.group) != self.world:  # e.g. a shard unpickled in a process of another world
-            raise RuntimeError(
-                f"cannot gather a shard of {self.world} ranks (global shape {tuple(self.shape)}) in a process group "
-                f"of {_comm.world_size(self.group)}: it was saved or built in another world. Load it with "
-                "shardtensor.checkpoint_files.load_shards into a model sharded over the same world size."
-            )
-        return _comm.all_gather_rows(local, self.group, async_op=async_op)
-
-    def gather_numel(self) -> int:
-        """Elements a gather materialises (for prefetch budgets)."""
-        return self.padded_shape.numel()
-
-    def reduce_grad(self, grad: torch.Tensor, reducer, key: str) -> torch.Tensor:
-        """This rank's ``local_shape()`` part of the mean over ranks of each rank's full gradient ``grad``."""
-        with _comm.labelled(f"gradient reduction of {key!r}"):
-            return reducer.reduce(self.pad(grad), key=key, group=self.group)
-
-    def pad(self, full: torch.Tensor) -> torch.Tensor:
-        """``full`` as ``(world * rows_per_rank, ...)``; copies only when the rows do not divide evenly."""
-        full = full.contiguous()
-        if full.shape[0] == self.padded_shape[0]:
-            return full
-        padded = torch.zeros(self.padded_shape, dtype=full.dtype, device=full.device)
-        padded[: full.shape[0]].copy_(full)
-        return padded
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's padded rows of a full (replicated) tensor of the base shape: a fresh tensor."""
-        local = torch.zeros(self.local_shape(), dtype=full.dtype, device=full.device)
-        if self.valid_rows:
-            local[: self.valid_rows].copy_(full[self.row_start : self.row_start + self.valid_rows])
-        return local
-
-
-class ViewStep(NamedTuple):
-    """One recorded view op, replayed on the gathered tensor: ``func(t, *args, **kwargs)[index]``."""
-
-    func: Any  # torch._ops.OpOverload
-    args: tuple
-    kwargs: tuple  # sorted (name, value) pairs, so the step is hashable
-    index: Optional[int]  # output index of multi-output views (split, unbind), else None
-
-    def apply(self, t: torch.Tensor) -> torch.Tensor:
-        out = self.func(t, *self.args, **dict(self.kwargs))
-        return out if self.index is None else out[self.index]
-
-
-@functools.lru_cache(maxsize=4096)
-def _view_geometry(shape: torch.Size, views: tuple) -> tuple[torch.Size, tuple, int]:
-    """Shape, stride and storage offset the view chain gives a contiguous base of ``shape`` (via meta tensors)."""
-    t = torch.empty(shape, device="meta")
-    for step in views:
-        t = step.apply(t)
-    return t.shape, t.stride(), t.storage_offset()
-
-
-def apply_views(base: torch.Tensor, views: tuple) -> torch.Tensor:
-    for step in views:
-        base = step.apply(base)
-    return base
+from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
+from ._full import full_tensor_of
 
 
 class ShardedParam(torch.Tensor):
@@ -143,9 +45,16 @@ class ShardedParam(torch.Tensor):
     # Outputs of torch functions must not be turned into ShardedParams by the default __torch_function__.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    # The op table's entry point, set when the ``_dispatch`` package is imported (the end of this module imports
+    # it): a class attribute, as DTensor binds ``_op_dispatcher``, so the two modules import each other once.
+    _op_dispatcher: ClassVar[Callable]
+
     @staticmethod
-    def __new__(cls, local, layout, views=(), gatherer=None, name="", requires_grad=False):
-        shape, stride, offset = _view_geometry(layout.shape, views) if views else (layout.shape, None, 0)
+    def __new__(cls, local: torch.Tensor, layout: ShardLayout, *, views: tuple = (), gatherer: Any = None,
+                name: str = "", requires_grad: bool = False) -> "ShardedParam":
+        """The one constructor (keywords after the shard and its layout).  Not public API: use
+        ``shardtensor.shard_module`` or ``ShardedParam.from_full``."""
+        shape, stride, offset = view_geometry(layout.shape, views) if views else (layout.shape, None, 0)
         if stride is None:
             self = torch.Tensor._make_wrapper_subclass(
                 cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
@@ -164,10 +73,6 @@ class ShardedParam(torch.Tensor):
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def _from_local(cls, local, layout, *, views=(), gatherer=None, name="", requires_grad=False) -> "ShardedParam":
-        return cls(local, layout, views, gatherer, name, requires_grad)
-
-    @classmethod
     def from_full(cls, full: torch.Tensor, group=None, *, name: str = "", requires_grad: bool = False) -> "ShardedParam":
         """Shard a tensor that every rank holds in full (same values on every rank); keeps this rank's rows."""
         if full.dim() == 0:
@@ -178,16 +83,26 @@ class ShardedParam(torch.Tensor):
                 "can be sharded. Fix: keep sparse parameters unsharded, or shard full.to_dense()."
             )
         layout = ShardLayout.for_shape(full.shape, group)
-        return cls(layout.shard_of(full.detach()), layout, (), None, name, requires_grad)
+        return cls(layout.shard_of(full.detach()), layout, name=name, requires_grad=requires_grad)
 
     # ------------------------------------------------------------------ public API
     def to_local(self) -> torch.Tensor:
         """This rank's rows of the base tensor (padded; views not applied).  Never communicates."""
         return self._local
 
+    def rehome_(self, local: torch.Tensor) -> "ShardedParam":
+        """Make ``local`` this shard's storage (same shape and dtype; any device): offload keeps parameter and
+        gradient shards in host memory this way while the wrapper stays on the compute device.  A scheduled
+        parameter is rehomed through ``Gatherer.rehome_shards``, which re-indexes it."""
+        if local.shape != self._local.shape or local.dtype != self._local.dtype:
+            raise ValueError(f"rehome_ of {self._name or 'shard'!r}: {tuple(local.shape)} {local.dtype} does not "
+                             f"match the shard's {tuple(self._local.shape)} {self._local.dtype}")
+        self._local = local
+        return self
+
     def full_tensor(self) -> torch.Tensor:
         """The full tensor (views applied), gathered from all ranks.  Differentiable: grads flow back sharded."""
-        return _FullTensor.apply(self)
+        return full_tensor_of(self)
 
     def to_dtensor(self):
         """This rank's rows as a ``DTensor`` with ``Shard(0)`` on a 1-d mesh of the layout's group (no copy).
@@ -233,15 +148,14 @@ class ShardedParam(torch.Tensor):
                                  f"torch.chunk semantics give {layout.valid_rows}")
         padded = torch.zeros(layout.local_shape(), dtype=local.dtype, device=local.device)
         padded[: layout.valid_rows].copy_(local)
-        return cls(padded, layout, (), None, name, requires_grad)
+        return cls(padded, layout, name=name, requires_grad=requires_grad)
 
     @property
-    def layout(self) -> ShardLayout:
+    def shard_layout(self) -> ShardLayout:
+        """How the base tensor is split (``ShardLayout``, or a placement subclass such as ``OwnerLayout``).
+
+        Not ``layout``: that is ``torch.Tensor.layout`` (``torch.strided``), which torch's own code reads."""
         return self._layout
-
-    @property
-    def placement_name(self) -> str:
-        return self._name
 
     def __repr__(self) -> str:  # never communicates, never raises
         try:
@@ -277,7 +191,8 @@ class ShardedParam(torch.Tensor):
     # ``torch.load(..., weights_only=True)`` rebuilds it (the rebuild function is allow-listed and validates the
     # spec), and a later gather checks that the live world is the saved one.  Views refuse to pickle.
     def __copy__(self) -> "ShardedParam":
-        new = ShardedParam(self._local, self._layout, self._views, self._gatherer, self._name, self.requires_grad)
+        new = ShardedParam(self._local, self._layout, views=self._views, gatherer=self._gatherer, name=self._name,
+                           requires_grad=self.requires_grad)
         new.__dict__.update(self.__dict__)
         return new
 
@@ -289,8 +204,8 @@ class ShardedParam(torch.Tensor):
                 f"copy.deepcopy of ShardedParam {self._name!r}: only leaves (parameters, detached tensors) can be "
                 "deep-copied, as with plain tensors. Fix: deepcopy p.detach()."
             )
-        new = ShardedParam(copy.deepcopy(self._local, memo), self._layout, self._views, None, self._name,
-                           self.requires_grad)
+        new = ShardedParam(copy.deepcopy(self._local, memo), self._layout, views=self._views, name=self._name,
+                           requires_grad=self.requires_grad)
         memo[id(self)] = new
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
@@ -314,7 +229,7 @@ class ShardedParam(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return (_dispatch_op or _bind_dispatch())(func, args, kwargs or {})  # (the torch.compile check is there)
+        return cls._op_dispatcher(func, args, kwargs or {})  # (the torch.compile check is there)
 
     # torch.compile / torch.export see through the wrapper (DTensor does the same).
     def __tensor_flatten__(self):
@@ -323,18 +238,7 @@ class ShardedParam(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         layout, views, name = ctx
-        return ShardedParam(inner_tensors["_local"], layout, views, None, name)
-
-
-_dispatch_op: Any = None  # dispatch.dispatch_op, bound on first use (import cycle: dispatch needs ShardedParam)
-
-
-def _bind_dispatch():
-    global _dispatch_op
-    from .dispatch import dispatch_op
-
-    _dispatch_op = dispatch_op
-    return dispatch_op
+        return ShardedParam(inner_tensors["_local"], layout, views=views, name=name)
 
 
 def _declare_foreach_support() -> None:
@@ -366,8 +270,8 @@ def _rebuild_sharded_param(local: torch.Tensor, spec: tuple, name: str, requires
     if not ok:
         raise ValueError(f"corrupt pickled ShardedParam {name!r}: spec {spec!r} does not fit a shard of shape "
                          f"{tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__}")
-    param = ShardedParam(local, ShardLayout(torch.Size(shape), rows, rank, world, None), (), None, str(name),
-                         bool(requires_grad))
+    param = ShardedParam(local, ShardLayout(torch.Size(shape), rows, rank, world, None), name=str(name),
+                         requires_grad=bool(requires_grad))
     if is_param:
         param._is_param = True  # what nn.Parameter(subclass) sets, so isinstance(param, nn.Parameter) holds
     return param
@@ -376,15 +280,5 @@ def _rebuild_sharded_param(local: torch.Tensor, spec: tuple, name: str, requires
 torch.serialization.add_safe_globals([_rebuild_sharded_param])
 
 
-class _FullTensor(torch.autograd.Function):
-    """Gather for the user; the incoming full gradient flows to the parameter unchanged (its hook shards it)."""
-
-    @staticmethod
-    def forward(ctx, param: ShardedParam) -> torch.Tensor:
-        from .gather import gather_full
-
-        return gather_full(param).clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+# Last: the op table's rules import ShardedParam, and importing the package binds ``ShardedParam._op_dispatcher``.
+from . import _dispatch  # noqa: E402,F401

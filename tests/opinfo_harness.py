@@ -177,7 +177,7 @@ def _call(op, variant: str, inp, sample):
 
 def run_case(key: str, variant: str, world: int) -> tuple[str, str]:
     """(outcome, detail) of one case on this rank."""
-    from shardtensor.dispatch import ShardedOpError
+    from shardtensor import ShardedOpError
 
     op = ops_by_key()[key]
     sample = sample_of(key)

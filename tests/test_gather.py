@@ -216,3 +216,28 @@ def test_gather_bookkeeping_does_not_grow_with_steps(world):
         assert 0 < long <= per_step, (long, per_step)
     else:  # world 1 hands out the shard itself (it is the full tensor): no gathered buffer to account for
         assert short == long == 0, (short, long)
+
+
+def container_steps(steps: int) -> dict:
+    """A root without a forward (a ModuleDict) whose children are called directly, and nobody marks the steps."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(6, 6), "b": nn.Linear(6, 3)})
+    shardtensor.shard_module(model, gather="overlapped", prefetch_bytes=1 << 20)
+    gatherer = model._shardtensor.gatherer
+    x = torch.randn(4, 6)
+    lengths = []
+    for _ in range(steps):
+        model["b"](model["a"](x)).sum().backward()
+        lengths.append(len(gatherer.recorded_order))
+    return {"lengths": lengths, "hits": gatherer.prefetch_hits, "mismatches": gatherer.mismatches}
+
+
+def test_a_container_root_replays_its_order_with_bounded_bookkeeping():
+    # The end of each backward marks the step: the order is recorded once, replayed (prefetching) after that,
+    # and the bookkeeping stops growing (before, it grew by one step's gathers per step and never prefetched).
+    for r in run_on_ranks(2, container_steps, 6):
+        assert len(set(r["lengths"][1:])) == 1, r
+        assert r["hits"] > 0, r
+        assert r["mismatches"] == 0, r

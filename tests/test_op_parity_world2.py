@@ -30,7 +30,7 @@ CASES = {
     "einops_einsum": ((5, 3), lambda w: __import__("einops").einsum(_x(2, 5), w, "b i, i j -> b j")),
     "masked_sum": ((5, 3), lambda w: torch.masked.sum(w, dim=1, mask=_x(5, 3) > 0)),
 }
-NEEDS_RENAME = {"masked_sum"}  # ShardedParam.layout shadows torch.Tensor.layout until the rename lands
+NEEDS_RENAME: set[str] = set()  # (empty: ShardedParam.shard_layout no longer shadows torch.Tensor.layout)
 
 
 def _shard(full: torch.Tensor):

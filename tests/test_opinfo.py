@@ -46,9 +46,7 @@ ALWAYS = {
 
 
 # Key prefixes expected to fail as a family.
-XFAIL_PREFIX: dict[str, str] = {
-    "masked.": "pending ShardedParam.layout rename (it shadows torch.Tensor.layout, which torch.masked reads)",
-}
+XFAIL_PREFIX: dict[str, str] = {}
 
 
 def _xfail_reason(key: str, variant: str, world: int) -> str | None:

@@ -1,0 +1,63 @@
+"""The op table: what each aten op does when it meets a ``ShardedParam``.
+
+Five classes of rule, one module each:
+  1. ``views``       -> a ShardedParam over the same shard that records the view (no gather)
+  2. ``local``       -> pointwise / foreach / fused-optimizer ops on shards of one placement run on the shards
+  3. ``reductions``  -> whole-tensor sum / norm / max...: local reduction + one all-reduce, a replicated result
+  4. ``compute``     -> everything else: gather the full tensors, run, release; outputs are plain tensors
+  5. ``refusals``    -> an op that would write into a ShardedParam but cannot run on shards raises, naming the op
+plus ``sequential``: the decompositions that keep ``gather="sequential"`` at one gathered parameter per op.
+
+Every rule is registered with ``@implements`` (``_common.py``); importing this package binds ``dispatch_op`` as
+``ShardedParam._op_dispatcher`` (the one import cycle of the library: tensor.py <-> this package).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .. import _compile
+from ..tensor import ShardedParam
+from . import reductions, sequential, views  # noqa: F401  (importing a rule module registers its rules)
+from ._common import FAMILIES, TABLE, OpFamily, Rule, ShardedOpError, implements
+from .compute import compute
+from .local import _local
+
+__all__ = ["dispatch_op", "implements", "OpFamily", "ShardedOpError", "TABLE", "FAMILIES", "rule_for"]
+
+_RULE_BY_ID: dict[int, Rule] = {}  # id(OpOverload) -> rule; OpOverloads live as long as the process
+
+
+def dispatch_op(func, args: tuple, kwargs: dict):
+    """Run ``func`` by its rule (looked up once per op; keyed by id: ``OpOverload.__hash__`` is a Python method)."""
+    rule = _RULE_BY_ID.get(id(func))
+    if rule is None:
+        rule = _RULE_BY_ID[id(func)] = _checked(rule_for(func))
+    return rule(func, args, kwargs)
+
+
+def rule_for(func) -> Rule:
+    """The rule of ``func``: its overload's, else its packet's, else the first declared family's, else compute."""
+    rule = TABLE.get(func) or TABLE.get(func.overloadpacket)
+    if rule is not None:
+        return rule
+    for family, family_rule in FAMILIES:
+        if family.contains(func):
+            return family_rule
+    return compute
+
+
+def _checked(rule: Rule) -> Rule:
+    """``rule`` behind the torch.compile check (see [Note: torch.compile] in _compile.py).  The local rule makes
+    the check itself, after its fast path: a pointwise op on real shards (hundreds per optimizer step) skips it."""
+    if rule is _local:
+        return rule
+
+    def checked(func, args, kwargs, rule: Callable = rule):
+        _compile.break_graph_if_traced(func, args)
+        return rule(func, args, kwargs)
+
+    return checked
+
+
+ShardedParam._op_dispatcher = dispatch_op

@@ -1,0 +1,194 @@
+"""Class 2 of the op table: ops that run shard by shard on ``_local``, with no communication.
+
+Pointwise ops (``torch.Tag.pointwise`` plus ``EXTRA_LOCAL_OPS``), the ``_foreach_*`` family and torch.optim's
+fused kernels on shards of one placement give, row by row, the shard of the full result.  Writes into a shard
+that cannot be done this way are refused (``refusals.py``), reads fall back to ``compute``.
+
+[Note: when is a plain 0-d tensor safe in a local op]
+A ShardedParam stands for one tensor that every rank agrees on.  ``W * s`` run shard-wise is right only if
+``s`` is the same on every rank.  Optimizers (step tensors, lr tensors, ``clip_grad_norm_``'s coefficient from
+an all-reduced norm) use such replicated scalars under ``no_grad``; forward code may multiply by a per-rank,
+data-dependent scalar.  So plain 0-d tensors join local ops only when grad mode is off or the op writes into a
+ShardedParam (only legal under ``no_grad`` for leaves); otherwise the op gathers, which is always right.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _compile
+from .._full import gather_full
+from ..tensor import ShardedParam
+from ._common import (
+    _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _params_in,
+    _to_local, _wrap_like, _written_args, _written_params, aten, implements,
+)
+from .compute import _backward_temporaries, _write_back, compute
+from .refusals import _refuse
+
+POINTWISE = OpFamily("pointwise", lambda func: torch.Tag.pointwise in func.tags)
+FOREACH = OpFamily("foreach", lambda func: func.overloadpacket.__name__.startswith("_foreach_"))
+EXTRA_LOCAL_OPS = [  # not tagged pointwise, but element-wise on a shard all the same
+    aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zeros_like.default, aten.ones_like.default,
+    aten.empty_like.default, aten.full_like.default, aten._to_copy.default, aten.clone.default,
+]
+# torch.optim's fused kernels: lists of params, grads and states, updated in place (like ``_foreach_*``).
+FUSED_OPTIMIZER_OPS = [aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_,
+                       aten._fused_adam, aten._fused_adamw, aten._fused_sgd, aten._fused_adagrad]
+
+
+def _plain_tensors_ok(leaves, allow_scalar_tensors: bool) -> bool:
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and not isinstance(x, ShardedParam):
+            if x.dim() != 0 or not allow_scalar_tensors:
+                return False
+    return True
+
+
+# The foreach family is declared before the pointwise one: families are tried in declaration order.
+def _foreach_localizable(lists_and_rest) -> bool:
+    """Each index position must hold shards of one layout (or only plain tensors); plain tensors beside
+    shards must be 0-d (step counters, lr tensors)."""
+    lists = [x for x in lists_and_rest if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor)]
+    if not lists:
+        return False
+    length = len(lists[0])
+    for i in range(length):
+        column = [lst[i] for lst in lists if i < len(lst)]
+        shards = [t for t in column if isinstance(t, ShardedParam)]
+        if not shards:
+            continue
+        if not _localizable(shards):
+            return False
+        if any(not isinstance(t, ShardedParam) and t.dim() != 0 for t in column):
+            return False
+    return True
+
+
+@implements(FOREACH, FUSED_OPTIMIZER_OPS)
+def _foreach_local(func, args, kwargs):
+    """``torch.optim``'s foreach and fused paths (and ``clip_grad_norm_``'s ``_foreach_mul_``)."""
+    params = _params_in(args, kwargs)
+    if not _foreach_localizable(list(args) + list(kwargs.values())):
+        if _written_params(func, args, kwargs):
+            _refuse(func, args, kwargs, "the lists mix shards of different layouts or full plain tensors")
+        return compute(func, args, kwargs)
+    for value in _leaves((), kwargs):  # grad_scale / found_inf / lr tensors must be scalars
+        if isinstance(value, torch.Tensor) and not isinstance(value, ShardedParam) and value.numel() != 1:
+            _refuse(func, args, kwargs, f"a keyword tensor of shape {tuple(value.shape)} is not a scalar")
+    out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
+    if out is None or _written_params(func, args, kwargs) and not isinstance(out, (list, tuple)):
+        return out
+    first = args[0]
+    if isinstance(out, (list, tuple)) and isinstance(first, (list, tuple)) and len(out) == len(first):
+        return [
+            ShardedParam(o, t._layout, views=t._views, name=t._name)
+            if isinstance(t, ShardedParam) and isinstance(o, torch.Tensor) else o
+            for o, t in zip(out, first)
+        ]
+    return out if not params else _wrap_like(params[0], out)
+
+
+@implements(POINTWISE, EXTRA_LOCAL_OPS)
+def _local(func, args, kwargs):
+    """Run ``func`` on the shards when they share one placement, else gather (reads) or refuse (writes).
+
+    The fast path first: it is the common shape of an optimizer's pointwise op (``exp_avg.lerp_(grad, 0.1)``:
+    every step runs hundreds), positional shards of one placement with Python scalars and no tensor keywords,
+    checked in one pass.  Anything else (plain tensors, lists, ``out=``, fake shards under torch.compile) takes
+    the general path below, which starts with the torch.compile check that the fast path does not need (a fake
+    shard is never a plain ``torch.Tensor``)."""
+    written = _WRITTEN_BY_ID.get(id(func))
+    if written is None:
+        written = _written_args(func)
+    first = None
+    locals_ = []
+    for x in args:
+        kind = type(x)
+        if kind is ShardedParam:
+            local = x._local
+            if type(local) is not torch.Tensor:  # FakeTensor while Dynamo traces, or another subclass
+                break
+            if first is None:
+                if x._views and not _chain_is_bijective(x._views):
+                    break
+                first = x
+            elif not (x._layout is first._layout or x._layout == first._layout) or x._views != first._views:
+                break
+            locals_.append(local)
+        elif kind is float or kind is int or kind is bool or x is None:
+            locals_.append(x)
+        elif isinstance(x, (torch.Tensor, list, tuple)):
+            break
+        else:
+            locals_.append(x)
+    else:
+        if first is not None and not (kwargs and any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values())) \
+                and (not written or (written == ((0, "self"),) and args[0] is first)):
+            out = func(*locals_, **kwargs)
+            return args[0] if written else _wrap_like(first, out)
+    _compile.break_graph_if_traced(func, args)  # torch.compile: see [Note: torch.compile] in _compile.py
+    params = _params_in(args, kwargs)
+    written_params = _written_params(func, args, kwargs)
+    writes_shard = bool(written_params)
+    allow_scalars = writes_shard or not torch.is_grad_enabled()
+    if _localizable(params) and _plain_tensors_ok(_leaves(args, kwargs), allow_scalars):
+        out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
+        if writes_shard:
+            return kwargs["out"] if "out" in kwargs else args[0]
+        return _wrap_like(params[0], out)
+    if writes_shard and not _backward_temporaries(written_params):  # those: compute() writes them back
+        _refuse(func, args, kwargs, "its operands are not shards of one layout (or include a full plain tensor)")
+    return compute(func, args, kwargs)
+
+
+@implements(aten.copy_.default)
+def _copy(func, args, kwargs):
+    """``load_state_dict`` copies a full tensor into each parameter: every rank keeps its own rows."""
+    dst, src = args[0], args[1]
+    if not isinstance(dst, ShardedParam):
+        return compute(func, args, kwargs)  # plain.copy_(sharded): gather the source
+    if dst._views:
+        if _backward_temporaries([dst]):  # householder_product's / ormqr's backward fill a temporary's columns
+            return _write_back(func, args, kwargs, [dst])
+        _refuse(func, args, kwargs, "the destination is a view of a shard")
+    if isinstance(src, ShardedParam):
+        if src._layout == dst._layout and not src._views:
+            dst._local.copy_(src._local)
+            return dst
+        src = gather_full(src)
+    if src.dim() == 0 or src.shape != dst.shape:
+        src = src.expand(dst.shape) if src.dim() == 0 else src
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_ into ShardedParam {dst._name!r}: source shape {tuple(src.shape)} "
+                             f"!= parameter shape {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst._layout.copy_own_rows(dst._local, src)
+    return dst
+
+
+@implements([aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default,
+             aten.new_full.default, aten.new_ones.default])
+def _new_like(func, args, kwargs):
+    # AccumulateGrad clones a grad with new_empty_strided; a tensor of the global shape stays sharded.
+    self, size = args[0], tuple(args[1])
+    if size == tuple(self.shape) and not self._views:
+        local_size = list(self._local.shape)
+        rest = [local_size] + list(args[2:]) if func is not aten.new_empty_strided.default else \
+            [local_size, list(torch.empty(local_size, device="meta").stride())]
+        return ShardedParam(func(self._local, *rest, **kwargs), self._layout, name=self._name)
+    return func(torch.empty(0, dtype=self.dtype, device=self.device), *args[1:], **kwargs)
+
+
+@implements([aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float, aten.exponential_.default,
+             aten.random_, aten.log_normal_.default,
+             aten.cauchy_.default, aten.geometric_.default])
+def _random_init(func, args, kwargs):
+    """``nn.init`` on a sharded parameter: draw the full tensor (same RNG stream as unsharded), keep own rows."""
+    self = args[0]
+    if not isinstance(self, ShardedParam) or self._views:
+        _refuse(func, args, kwargs, "random in-place ops on views of shards are not supported")
+    full = torch.empty(self._layout.shape, dtype=self.dtype, device=self.device)
+    func(full, *args[1:], **kwargs)
+    self._layout.copy_own_rows(self._local, full)
+    return self

@@ -1,0 +1,183 @@
+"""Class 3 of the op table: whole-tensor reductions as a local reduction plus one all-reduce.
+
+``sum``/``mean``/``max``/``min``/``all``/``any`` and vector norms of a whole ShardedParam (no ``dim``) reduce the
+valid rows of the shard (``_valid``: padding rows stay out) and combine the per-rank partials with one
+all-reduce (``_reduce_partials``); the result is a plain tensor that every rank holds.  With a ``dim`` (or a
+non-bijective view) the op gathers instead (``compute``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .. import _comm
+from .._full import gather_full
+from ..tensor import ShardedParam
+from ._common import _chain_is_bijective, _params_in, aten, implements
+from .compute import compute
+
+
+def _valid(p: ShardedParam) -> torch.Tensor:
+    return p._local[: p._layout.valid_rows]
+
+
+def _whole_tensor_operand(func, args, kwargs, dim_arg=None) -> bool:
+    self = args[0]
+    if not isinstance(self, ShardedParam) or not _chain_is_bijective(self._views):
+        return False
+    if _params_in(args[1:], kwargs):
+        return False
+    if dim_arg is not None:
+        dim = args[dim_arg] if len(args) > dim_arg else kwargs.get("dim")
+        if dim not in (None, [], ()):
+            return False
+    return True
+
+
+def _reduce_partials(partials: torch.Tensor, groups: list, op: str) -> torch.Tensor:
+    """All-reduce ``partials[k]`` over the ranks of ``groups[k]`` (one collective per distinct process group:
+    models sharded over several groups), in place; returns ``partials``.  The one cross-rank step of every rule
+    in this module."""
+    by_group: dict = {}
+    for k, group in enumerate(groups):
+        by_group.setdefault(id(group), (group, []))[1].append(k)
+    for group, members in by_group.values():
+        if len(by_group) == 1:
+            _all_reduce_keep_nan(partials, group, op)
+        else:
+            part = partials[members].clone()
+            _all_reduce_keep_nan(part, group, op)
+            partials[members] = part
+    return partials
+
+
+def _all_reduce_keep_nan(partial: torch.Tensor, group, op: str) -> None:
+    """All-reduce in place; a NaN on any rank stays NaN under max/min (gloo's and NCCL's max/min drop it, so
+    ``max()`` or an inf-norm would hide a NaN gradient on another rank).  One collective: the NaN flags ride
+    along, negated for min."""
+    if op not in ("max", "min") or not partial.is_floating_point():
+        _comm.all_reduce(partial, group, op=op)
+        return
+    flags = partial.isnan().to(partial.dtype)
+    both = torch.cat([partial.reshape(-1), flags.reshape(-1) if op == "max" else -flags.reshape(-1)])
+    _comm.all_reduce(both, group, op=op)
+    n = partial.numel()
+    partial.copy_(both[:n].reshape(partial.shape).masked_fill(both[n:].reshape(partial.shape) != 0, float("nan")))
+
+
+def _p_norm_partial(x: torch.Tensor, ord: float) -> torch.Tensor:
+    """The all-reducible part of a p-norm: sum |x|^p, or max/min |x| for +-inf, count for 0."""
+    if x.numel() == 0:
+        return torch.tensor(float("-inf") if ord == float("inf") else float("inf") if ord == float("-inf") else 0.0,
+                            dtype=torch.float32 if not x.is_floating_point() else x.dtype, device=x.device)
+    if ord == float("inf"):
+        return x.abs().amax()
+    if ord == float("-inf"):
+        return x.abs().amin()
+    if ord == 0:
+        return (x != 0).sum().to(x.dtype)
+    if ord == 2:
+        return torch.linalg.vector_norm(x, 2).square()
+    return x.abs().pow(ord).sum()
+
+
+def _p_norm_finish(total: torch.Tensor, ord: float) -> torch.Tensor:
+    if ord in (float("inf"), float("-inf"), 0):
+        return total
+    if ord == 2:
+        return total.sqrt()
+    return total.pow(1.0 / ord)
+
+
+def _norm_reduce_op(ord: float) -> str:
+    return "max" if ord == float("inf") else "min" if ord == float("-inf") else "sum"
+
+
+@implements(aten.linalg_vector_norm.default)
+def _vector_norm(func, args, kwargs):
+    # clip_grad_norm_(foreach=False) and loss scalers.
+    if not _whole_tensor_operand(func, args, kwargs, dim_arg=2) or kwargs.get("keepdim") or (len(args) > 3 and args[3]):
+        return compute(func, args, kwargs)
+    self = args[0]
+    ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dtype = kwargs.get("dtype")
+    if self.numel() == 0 and ord in (float("inf"), float("-inf")):
+        return compute(func, args, kwargs)  # torch's own error: the inf-norm of an empty tensor has no identity
+    x = _valid(self) if dtype is None else _valid(self).to(dtype)
+    partial = _p_norm_partial(x, ord).reshape(1).clone()
+    return _p_norm_finish(_reduce_partials(partial, [self._layout.group], _norm_reduce_op(ord))[0], ord)
+
+
+@implements(aten._foreach_norm.Scalar)
+def _foreach_norm(func, args, kwargs):
+    """``clip_grad_norm_``'s default path: one all-reduce for the whole list, not one per tensor."""
+    tensors = args[0]
+    ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    out: list = [None] * len(tensors)
+    sharded = [(i, t) for i, t in enumerate(tensors) if isinstance(t, ShardedParam)]
+    plain = [(i, t) for i, t in enumerate(tensors) if not isinstance(t, ShardedParam)]
+    if plain:
+        for (i, _), norm in zip(plain, func([t for _, t in plain], *args[1:], **kwargs)):
+            out[i] = norm
+    if sharded:
+        if not all(_chain_is_bijective(t._views) for _, t in sharded):
+            return [torch.linalg.vector_norm(gather_full(t), ord, dtype=dtype) if isinstance(t, ShardedParam)
+                    else o for t, o in zip(tensors, out)]
+        # float64 for the cross-rank sum: float32 partials would round a float64 model's norm (and cost the
+        # float32 ones nothing measurable: one value per tensor)
+        partials = torch.stack([_p_norm_partial(_valid(t) if dtype is None else _valid(t).to(dtype), ord).double()
+                                for _, t in sharded])
+        _reduce_partials(partials, [t._layout.group for _, t in sharded], _norm_reduce_op(ord))
+        finished = _p_norm_finish(partials, ord)
+        for k, (i, t) in enumerate(sharded):
+            out[i] = finished[k].to(dtype or t.dtype)
+    return out
+
+
+_NO_DIM_ARG = (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.all.default,
+               aten.any.default)
+
+
+def _simple_reduction(op: str, local_fn: Callable, finish: Callable | None = None):
+    """A rule for a whole-tensor reduction: ``local_fn`` on the valid rows, ``op`` across ranks, ``finish``."""
+
+    def rule(func, args, kwargs):
+        dim_arg = 1 if func not in _NO_DIM_ARG else None
+        if not _whole_tensor_operand(func, args, kwargs, dim_arg=dim_arg) or kwargs.get("keepdim") \
+                or (dim_arg is not None and len(args) > 2 and args[2]):
+            return compute(func, args, kwargs)
+        self = args[0]
+        if self.numel() == 0 and op in ("max", "min") and func not in (aten.all.default, aten.any.default):
+            return compute(func, args, kwargs)  # torch's own error: max() of an empty tensor has no identity
+        partial = local_fn(_valid(self), func, args, kwargs).reshape(1).clone()
+        result = _reduce_partials(partial, [self._layout.group], op)[0]
+        return finish(result, self) if finish else result
+
+    return rule
+
+
+def _sum_local(x, func, args, kwargs):
+    return x.sum(dtype=kwargs.get("dtype"))
+
+
+def _float_identity_or(x, reducer, identity):
+    return reducer(x) if x.numel() else torch.tensor(identity, dtype=x.dtype, device=x.device)
+
+
+def _max_local(x, *_):
+    return _float_identity_or(x, torch.amax, float("-inf"))
+
+
+def _min_local(x, *_):
+    return _float_identity_or(x, torch.amin, float("inf"))
+
+
+implements([aten.sum.default, aten.sum.dim_IntList])(_simple_reduction("sum", _sum_local))
+implements([aten.mean.default, aten.mean.dim])(_simple_reduction("sum", _sum_local, lambda total, p: total / p.numel()))
+implements([aten.max.default, aten.amax.default])(_simple_reduction("max", _max_local))
+implements([aten.min.default, aten.amin.default])(_simple_reduction("min", _min_local))
+implements(aten.all.default)(_simple_reduction("min", lambda x, *_: x.all().to(torch.uint8), lambda total, p: total.bool()))
+implements(aten.any.default)(_simple_reduction("max", lambda x, *_: x.any().to(torch.uint8), lambda total, p: total.bool()))

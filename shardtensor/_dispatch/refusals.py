@@ -1,0 +1,41 @@
+"""Class 5 of the op table: an op that would write into a ShardedParam but cannot run on its shard raises.
+
+Running it on a gathered temporary would compute the right value and then drop it: the silent failure this
+library exists to avoid.  Every rule that meets a write it cannot do shard-wise calls ``_refuse``.
+"""
+
+from __future__ import annotations
+
+import torch
+from typing import NoReturn
+
+from ..tensor import ShardedParam
+from ._common import ShardedOpError, _leaves, _written_params, aten, implements
+
+
+def _describe(func, args, kwargs) -> str:
+    kinds = [type(x).__name__ + (f"{tuple(x.shape)}" if isinstance(x, torch.Tensor) else "")
+             for x in _leaves(args, kwargs) if isinstance(x, torch.Tensor)]
+    return f"{func} with tensor arguments {kinds}"
+
+
+def _refuse(func, args, kwargs, why: str) -> NoReturn:
+    names = ", ".join(repr(p._name or tuple(p.shape)) for p in _written_params(func, args, kwargs))
+    raise ShardedOpError(
+        f"{func} would write into ShardedParam {names} but {why}. Running it on a gathered temporary would drop "
+        f"the update silently. Fix: use the out-of-place form on the full tensor, update each rank's shard "
+        f"through `.to_local()`, or `shardtensor.unshard_module(model)` first. ({_describe(func, args, kwargs)})"
+    )
+
+
+@implements(aten.embedding_renorm_.default)
+def _embedding_renorm(func, args, kwargs):
+    """``F.embedding(..., max_norm=...)`` rescales, in place, the weight rows its indices pick.  Each rank picks
+    by its own batch, so a sharded weight would take a different update on each rank (unsharded DDP replicas
+    diverge the same way): refused with the fix, rather than writing rows back."""
+    weight = args[0]
+    name = (weight._name or tuple(weight.shape)) if isinstance(weight, ShardedParam) else "weight"
+    raise ShardedOpError(
+        f"F.embedding(..., max_norm=...) renormalises rows of the sharded weight {name!r} in place, chosen by each "
+        "rank's own indices; the shards would disagree. Fix: drop max_norm (renormalise the weight yourself "
+        "from indices every rank shares), or keep this embedding unsharded.")

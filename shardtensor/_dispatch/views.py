@@ -1,0 +1,78 @@
+"""Class 1 of the op table: a view of a ShardedParam is a ShardedParam over the same shard that records the view.
+
+No gather: see [Note: views do not gather] in ``tensor.py``.  The chain is replayed on the gathered base when a
+compute op needs the data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._layout import ViewStep, view_geometry
+from ..tensor import ShardedParam
+from ._common import _BIJECTIVE_VIEWS, _params_in, aten, implements
+from .compute import _Gathered, _unalias, compute
+
+
+@implements([aten.detach.default, aten.alias.default, aten.lift_fresh.default])
+def _identity_view(func, args, kwargs):
+    # detach: nn.Parameter(...), AccumulateGrad and optimizers call it; it must not gather.
+    self = args[0]
+    return ShardedParam(self._local, self._layout, views=self._views, gatherer=self._gatherer, name=self._name)
+
+
+def _freeze(x):
+    return tuple(_freeze(v) for v in x) if isinstance(x, list) else x
+
+
+@implements(sorted(_BIJECTIVE_VIEWS - {aten.view_as_real.default}, key=str) + [
+    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.as_strided.default, aten.diagonal.default,
+    aten.unfold.default,
+])
+def _view(func, args, kwargs):
+    """Record the view; ``F.linear``'s ``t(weight)`` lands here, and so does autograd's saved copy of it."""
+    self = args[0]
+    if not isinstance(self, ShardedParam) or _params_in(args[1:], kwargs):
+        return compute(func, args, kwargs)
+    step = ViewStep(func, _freeze(list(args[1:])), tuple(sorted(kwargs.items())), None)
+    if not _replayable(self._layout.shape, self._views + (step,)):
+        return _view_as_copy(func, args, kwargs)
+    return ShardedParam(self._local, self._layout, views=self._views + (step,), gatherer=self._gatherer,
+                        name=self._name)
+
+
+def _replayable(shape: torch.Size, views: tuple) -> bool:
+    """Whether the chain is a view of a contiguous base (a reshape of a permuted parameter is not)."""
+    try:
+        view_geometry(shape, views)
+    except RuntimeError:
+        return False
+    return True
+
+
+# Reshapes that torch turns into a copy when the input cannot be viewed (reshape -> clone + _unsafe_view).
+_RESHAPE_FAMILY = {aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.reshape.default}
+
+
+def _view_as_copy(func, args, kwargs):
+    """A view step that no strides express (einsum's reshape of a permuted 3-d weight, ``__rmatmul__``,
+    tensordot): gather, reshape a contiguous copy, hand out a plain tensor, as torch's ``reshape`` copies."""
+    self = args[0]
+    with _Gathered([self]) as fulls:
+        full = fulls[id(self)]
+        out = aten.reshape.default(full.contiguous(), args[1]) if func in _RESHAPE_FAMILY \
+            else func(full, *args[1:], **kwargs)
+        return _unalias(out, fulls)
+
+
+@implements([aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default])
+def _multi_view(func, args, kwargs):
+    """Multi-output views (``nn.MultiheadAttention`` splits its packed in_proj weight): one view per output."""
+    self = args[0]
+    meta = func(torch.empty(self.shape, device="meta"), *args[1:], **kwargs)
+    frozen_args, frozen_kwargs = _freeze(list(args[1:])), tuple(sorted(kwargs.items()))
+    return [
+        ShardedParam(self._local, self._layout, views=self._views + (ViewStep(func, frozen_args, frozen_kwargs, i),),
+                     gatherer=self._gatherer, name=self._name)
+        for i in range(len(meta))
+    ]

@@ -1,0 +1,46 @@
+"""Gathers outside the Gatherer's schedule: on demand, for one op or for the user (``full_tensor()``).
+
+``_FullTensor`` sits beside the Gatherer (not in tensor.py) so the tensor subclass needs nothing from the
+scheduling code, and this module needs nothing from the subclass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import _comm
+from ._layout import ShardLayout, apply_views
+
+if TYPE_CHECKING:
+    from .tensor import ShardedParam
+
+
+def gather_now(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """The base tensor gathered now (padding rows cut off); blocking, not cached."""
+    buffer = layout.gather(local).buffer
+    return buffer[: layout.shape[0]]
+
+
+def gather_full(param: ShardedParam) -> torch.Tensor:
+    """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
+    with _comm.labelled(f"all-gather of {param._name!r}"):
+        return apply_views(gather_now(param._local, param._layout), param._views)
+
+
+class _FullTensor(torch.autograd.Function):
+    """Gather for the user; the incoming full gradient flows to the parameter unchanged (its hook shards it)."""
+
+    @staticmethod
+    def forward(ctx, param: ShardedParam) -> torch.Tensor:
+        return gather_full(param).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def full_tensor_of(param: ShardedParam) -> torch.Tensor:
+    """``param.full_tensor()``: a differentiable gather whose result the caller owns."""
+    return _FullTensor.apply(param)

@@ -18,7 +18,7 @@ import time
 import torch
 
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
+def _worker(rank: int, world: int, port: int, args) -> tuple:
     import os
 
     import torch.distributed as dist
@@ -26,8 +26,10 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    queue.put((rank, _rank(rank, args)))
-    dist.destroy_process_group()
+    try:
+        return rank, _rank(rank, args)
+    finally:
+        dist.destroy_process_group()
 
 
 def _rank(rank: int, args) -> dict:

@@ -49,7 +49,8 @@ _FIX = (
     "Every rank must run the same ops on sharded parameters, in the same order. A submodule whose use depends on "
     "the data (mixture-of-experts experts called only for routed tokens, blocks skipped or repeated per rank) "
     "must run on every rank: call every expert on every rank (with zero tokens if none is routed to it), or keep "
-    "such parameters whole on every rank (shard_module(..., persist_numel=N) above their size). "
+    "such parameters whole on every rank (shard_module(..., persist_numel=N) with N above the parameters' full "
+    "numel, not the shard sizes named above). "
     "set_divergence_check(False) turns this check off."
 )
 
@@ -141,7 +142,7 @@ def _crc(text: str) -> int:
 
 
 def _describe(kind: str, label: str, numel: int, dtype: torch.dtype) -> str:
-    return f"{label or kind} [{kind}, {numel} elements of {dtype}]"
+    return f"{label or kind} [{kind}, {numel} elements of {dtype} on this rank's side of the collective]"
 
 
 # ---------------------------------------------------------------------------------------------- identity check
@@ -313,7 +314,9 @@ def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
         publish_failure(message)
         raise DivergenceError(message)
     now = time.monotonic()
-    if now - warned_at >= 60.0 or warned_at == 0.0:
+    # Quiet for the first half minute: a rank that is merely slower (first-step compilation, a loaded host) is
+    # normal, and a warning at every short wait reads like an error.
+    if (now - warned_at >= 60.0) if warned_at else (time.time() - mine["since"] >= 30.0):
         lines = "; ".join(f"rank {r} {_where(records[r])}" for r in others)
         log.warning("shardtensor rank %d: waiting at collective #%d on group %s (%s); %s. A rank that never "
                     "issues this collective is a divergence (see DivergenceError); a busy rank is fine.",

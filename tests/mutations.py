@@ -29,12 +29,12 @@ class Mutation(NamedTuple):
 
 MUTATIONS = {
     "same_placement": Mutation(
-        "shardtensor/dispatch.py", "_same_placement",
+        "shardtensor/_dispatch/_common.py", "_same_placement",
         "return a._layout == b._layout and a._views == b._views", "return True",
         ("tests/test_view_combinations.py",)),
     "reduction_not_all_reduced": Mutation(
-        "shardtensor/dispatch.py", "_simple_reduction",
-        "_comm.all_reduce(partial, self._layout.group, op=op)", "pass",
+        "shardtensor/_dispatch/reductions.py", "_simple_reduction",
+        "result = _reduce_partials(partial, [self._layout.group], op)[0]", "result = partial[0]",
         ("tests/test_errors_and_repr.py::test_every_op_on_two_ranks_with_padding",)),
     "int4_sign": Mutation(
         "ops/_int4_ref.py", "dequantize_reduce_rows_ref",

@@ -112,6 +112,7 @@ class _Unit:
         self.backward_holds = 0
         self.grads: dict[int, torch.Tensor] = {}  # position -> this rank's summed full gradient
         self.prefetched: Optional[tuple] = None  # gathers issued ahead of the unit's hold
+        self._held_keys: list[int] = []
 
     def reset(self) -> None:
         """Forget what a failed backward left (held buffers, stashed gradients): a new backward starts clean."""
@@ -123,16 +124,18 @@ class _Unit:
     # ------------------------------------------------------------------ gathers
     def hold(self) -> None:
         if self.holds == 0:
-            for param, full in zip(self.params, self._finish(self.prefetched or self._start(async_op=False))):
-                self.gatherer.held[id(param._local)] = full
+            fulls = self._finish(self.prefetched or self._start(async_op=False))
+            self._held_keys = [id(param._local) for param in self.params]  # ops find their shard by identity
+            self.gatherer.held.update(zip(self._held_keys, fulls))
             self.prefetched = None
         self.holds += 1
 
     def unhold(self) -> None:
         self.holds = max(0, self.holds - 1)
         if self.holds == 0:
-            for param in self.params:
-                self.gatherer.held.pop(id(param._local), None)
+            for key in self._held_keys:
+                self.gatherer.held.pop(key, None)
+            self._held_keys = []
 
     def prefetch(self) -> None:
         """Start this unit's gathers now (overlapped mode: while the previous unit computes)."""
@@ -262,7 +265,7 @@ class UnitSet:
 
     def __init__(self, root: nn.Module, modules: list[nn.Module], gatherer: Gatherer, grad_sync: GradSync):
         self.units: list[_Unit] = []
-        self.of_param: dict[int, tuple[_Unit, int]] = {}  # id(param._local) -> (unit, position)
+        self.of_param: dict[int, tuple[_Unit, int]] = {}  # id(parameter) -> (unit, position)
         self.gatherer = gatherer
         self._backward_task = None  # graph task whose end-of-backward callback is queued
         uses: dict[int, int] = {}
@@ -276,14 +279,14 @@ class UnitSet:
                 inner[id(p)] = inner.get(id(p), 0) + 1
             for p in module.parameters():
                 if isinstance(p, ShardedParam) and id(p) not in seen and inner[id(p)] == uses.get(id(p)) \
-                        and p._gatherer is gatherer and id(p._local) not in self.of_param:
+                        and p._gatherer is gatherer and id(p) not in self.of_param:
                     seen.add(id(p))
                     params.append(p)
             if not params:
                 continue
             unit = _Unit(names.get(id(module), type(module).__name__), params, gatherer, grad_sync)
             for i, p in enumerate(params):
-                self.of_param[id(p._local)] = (unit, i)
+                self.of_param[id(p)] = (unit, i)
             self.units.append(unit)
             module._shardtensor_unit = unit
 
@@ -298,7 +301,7 @@ class UnitSet:
     def take_grad(self, param: ShardedParam, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to
         AccumulateGrad (the reduced shard is added to ``.grad`` later).  None: not a unit parameter."""
-        found = self.of_param.get(id(param._local))
+        found = self.of_param.get(id(param))
         if found is None:
             return None
         unit, position = found

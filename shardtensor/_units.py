@@ -150,7 +150,8 @@ class _Unit:
 
     def _label(self, positions: list[int]) -> str:
         names = [self.params[i]._name for i in positions]
-        return f"all-gather of unit {self.name!r} ({', '.join(map(repr, names[:3]))}{', ...' if len(names) > 3 else ''})"
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"all-gather of {', '.join(map(repr, names[:3]))}{more} (unit {self.name!r})"
 
     def _start(self, *, async_op: bool) -> tuple:
         """Issue the unit's gathers: one all-gather per (group, dtype) of a flat buffer of the shards."""
@@ -247,7 +248,8 @@ class _Unit:
         pieces = [lay.pad(g).to(dtype).reshape(world, -1) for lay, g in zip(layouts, fulls)]
         pieces.append(mine.to(dtype).expand(world, -1))  # every rank's flags in every rank's row: summed
         flat = torch.cat(pieces, dim=1)
-        with _comm.labelled(f"gradient reduction of unit {self.name!r} ({len(fulls)} parameters)"), \
+        with _comm.labelled(f"gradient reduction of unit {self.name!r} ({len(fulls)} parameters, "
+                                f"first {self.params[0]._name!r})"), \
                 _comm.inputs_may_be_overwritten(True):
             shard = _comm.reduce_scatter_rows(flat.reshape(-1), layouts[0].group).buffer
         flags = shard[-len(fulls):].to(torch.float64)

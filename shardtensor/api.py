@@ -16,6 +16,7 @@ from .reduce import ExactReducer, GradientReducer, GradSync
 from .layerwise import OwnerReducer, owner_layouts
 from .policy import GatherPolicy, MixedPrecisionPolicy
 from .tensor import ShardedParam
+from ._units import UnitPolicy, attach_units
 
 
 @dataclass
@@ -58,6 +59,7 @@ def shard_module(
     persist_numel: int = 0,
     offload=None,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
+    units: UnitPolicy = None,
 ) -> nn.Module:
     """Replace every floating parameter of ``module`` (dim >= 1) by a ``ShardedParam``, in place.
 
@@ -95,6 +97,11 @@ def shard_module(
             their gathers (CUDA only; on a CPU-only machine it raises instead of copying host to host).
             Optimizer state goes to NVMe through ``shardtensor.offload.NVMeCPUAdam`` instead. (Default: None)
         mixed_precision: a ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` instead of the two keywords.
+        units: gather units (``shardtensor._units``): module classes or a callable ``module -> bool`` whose
+            (outermost) modules gather all their parameters at their forward and backward and reduce their
+            gradients together, so ranks whose data calls different members (an MoE expert loop) still issue
+            the same collectives; ``False``: none (Default: each member of the outermost ModuleList/Sequential,
+            and any module with an expert list).
     Returns:
         ``module`` itself.
     """
@@ -147,6 +154,7 @@ def shard_module(
 
     handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync),
                                                     with_kwargs=True))
+    attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
     if offload is not None:
         if not hasattr(offload, "attach"):

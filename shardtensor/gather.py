@@ -131,6 +131,7 @@ class Gatherer:
         self.mismatches = 0
         self.max_alive = 0
         self._alive_refs: list[weakref.ref] = []
+        self.held: dict[int, torch.Tensor] = {}  # id(shard) -> full base gathered by its unit (``_units.py``)
 
     # ------------------------------------------------------------------ registration and step boundary
     def _budget(self) -> int:
@@ -165,8 +166,7 @@ class Gatherer:
         self._aliases_shards = self._plain_world_of_one()
 
     @property
-    def shard_source(self) -> Optional[ShardSource]:
-        return self._shard_source
+    def shard_source(self) -> Optional[ShardSource]: return self._shard_source  # noqa: E704
 
     @shard_source.setter
     def shard_source(self, source: Optional[ShardSource]) -> None:
@@ -246,6 +246,8 @@ class Gatherer:
     def acquire(self, param: ShardedParam) -> torch.Tensor:
         """The full base tensor of ``param`` (views not applied); pair with ``release``."""
         self._note_gather()
+        if self.held and id(param._local) in self.held:  # its unit gathered it: outside the recorded order
+            return self.held[id(param._local)]
         if self._aliases_shards:  # a world of one: the shard is the full tensor; keep only the order and count
             index = self._index.get(id(param._local))
             if index is not None:
@@ -273,7 +275,7 @@ class Gatherer:
         return entry.full
 
     def release(self, param: ShardedParam) -> None:
-        if self._aliases_shards:
+        if self._aliases_shards or (self.held and id(param._local) in self.held):
             return
         index = self._index.get(id(param._local))
         if index is None:

@@ -158,6 +158,7 @@ class GradSync:
         self._pending: list[PendingReduce] = []
         self._replicated: list[tuple[torch.Tensor, object]] = []  # (parameter, group): .grad averaged at the end
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
+        self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
 
     # [Note: overlapped gradient reduction]
     # The first gradient of a parameter in a backward is reduce-scattered asynchronously: the hook returns a
@@ -199,6 +200,9 @@ class GradSync:
                 return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, name=key)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
+            kept = self.units.take_grad(param, grad) if self.units is not None else None
+            if kept is not None:
+                return kept
             with _comm.inputs_may_be_overwritten(owned):  # nobody else reads this gradient after us
                 shard = self.strategy.reduce_grad(grad, layout, key=key, dtype=dtype, owned=owned,
                                                   overlap=self._may_overlap(param, grad, dtype))

@@ -111,13 +111,13 @@ class _MoE(nn.Module):
         return out.square().sum()
 
 
-def moe_routed_per_rank(mode: str, routes: tuple) -> dict:
+def moe_routed_per_rank(mode: str, routes: tuple, units=None) -> dict:
     import torch.distributed as dist
 
     import shardtensor
 
     torch.manual_seed(0)
-    model = shardtensor.shard_module(_MoE(), gather=mode)
+    model = shardtensor.shard_module(_MoE(), gather=mode, units=units)
     x = torch.randn(4, 8, dtype=torch.float64)
     model(x, torch.tensor([0, 1, 2, 0])).backward()  # every expert on every rank: the recorded order
     route = torch.tensor(routes[dist.get_rank()])
@@ -127,9 +127,17 @@ def moe_routed_per_rank(mode: str, routes: tuple) -> dict:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("routes", [((0, 0, 0, 0), (1, 1, 1, 1)), ((0, 1, 0, 1), (1, 1, 1, 1))],
                          ids=["same-counts", "different-counts"])
-def test_moe_ranks_routed_to_different_experts_raise_on_every_rank(mode, routes):
-    outcomes = run_on_ranks(2, moe_routed_per_rank, mode, routes, timeout=60)
+def test_moe_ranks_routed_to_different_experts_raise_on_every_rank_without_units(mode, routes):
+    outcomes = run_on_ranks(2, moe_routed_per_rank, mode, routes, False, timeout=60)
     _assert_named_everywhere(outcomes, "'experts.")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_with_the_default_units_runs_on_every_rank(mode):
+    """The expert list makes the MoE layer a gather unit: every rank gathers every expert (the numbers are
+    checked against the unsharded model in test_units.py)."""
+    outcomes = run_on_ranks(2, moe_routed_per_rank, mode, ((0, 1, 0, 1), (1, 1, 1, 1)), timeout=60)
+    assert [out["error"] for out in outcomes] == [None, None], outcomes
 
 
 def models_on_two_groups_in_rank_order(mode: str) -> dict:

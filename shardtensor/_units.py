@@ -1,0 +1,389 @@
+"""Gather units: the parameters of one module (a transformer block, an MoE layer) gathered and reduced together.
+
+[Note: why units]
+Per-op gathers are issued by the ops a rank runs, so a rank whose data decides which parameters it touches (an
+expert loop that calls only the experts its tokens were routed to) issues other collectives than its peers.
+A unit fixes that as FSDP2 does: its forward pre-hook gathers *all* its parameters (one collective per dtype:
+a flat buffer of the unit's shards), whatever the data, and ops inside find them in ``Gatherer.held``; the
+forward post-hook frees them.  Before the unit's backward (a hook on its outputs' gradients) they are gathered
+again, and after it (a node on its inputs, or the end of backward) they are freed and the unit's gradients
+are reduced together, in a fixed order, with zeros for a parameter this rank produced no gradient for.  A
+has-gradient flag per parameter travels in the same collective: a parameter no rank produced a gradient for
+keeps ``grad=None``, as in the unsharded model (so AdamW does not decay an expert nobody used).
+
+A parameter shared with anything outside its unit (tied weights) stays with per-op gathers.  Units are on in
+both gather modes: sequential mode then holds one unit's parameters at a time instead of one op's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from . import _comm
+from ._layout import ShardLayout
+from .reduce import ExactReducer
+from .tensor import ShardedParam
+
+if TYPE_CHECKING:
+    from .gather import Gatherer
+    from .reduce import GradSync
+
+UnitPolicy = Union[None, bool, Sequence[type], Callable[[nn.Module], bool]]
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _data_dependent(module: nn.Module) -> bool:
+    """A module with an expert list: its forward calls the members its data chooses (an MoE layer)."""
+    return any(isinstance(child, _CONTAINERS) and "expert" in name.lower()
+               for name, child in module.named_children())
+
+
+def default_units(root: nn.Module) -> list[nn.Module]:
+    """FSDP2's usual wrapping: each member of the outermost ``ModuleList``/``Sequential`` (a block), and any
+    module with an expert list (an MoE layer) that is not already inside a unit."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if _data_dependent(module):
+            found.append(module)
+        elif isinstance(module, _CONTAINERS):
+            found.extend(child for child in module.children() if any(True for _ in child.parameters()))
+        else:
+            for child in module.children():
+                visit(child)
+
+    visit(root)
+    return found
+
+
+def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
+    """The outermost modules ``policy`` names: module classes, or a callable ``module -> bool`` (FSDP2 style);
+    ``None``/``True``: ``default_units``; ``False`` or ``()``: none."""
+    if policy is None or policy is True:
+        return default_units(root)
+    if policy is False:
+        return []
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        classes = tuple(policy)
+        if not all(isinstance(c, type) for c in classes):
+            raise TypeError(f"shard_module: units={policy!r}; expected module classes or a callable")
+        policy = lambda m, _c=classes: isinstance(m, _c)  # noqa: E731
+    if not callable(policy):
+        raise TypeError(f"shard_module: units={policy!r}; expected module classes, a callable, None or False")
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if policy(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return found
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward has produced their gradients."""
+
+    @staticmethod
+    def forward(ctx, unit, *tensors):
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
+class _Unit:
+    def __init__(self, name: str, params: list[ShardedParam], gatherer: Gatherer, grad_sync: GradSync):
+        self.name = name
+        self.params = params  # fixed order: every rank gathers and reduces them in it
+        self.gatherer = gatherer
+        self.grad_sync = grad_sync
+        self.holds = 0  # forward and backward phases currently holding the gathered parameters
+        self.backward_holds = 0
+        self.grads: dict[int, torch.Tensor] = {}  # position -> this rank's summed full gradient
+        self.prefetched: Optional[tuple] = None  # gathers issued ahead of the unit's hold
+        self._held_keys: list[int] = []
+
+    def reset(self) -> None:
+        """Forget what a failed backward left (held buffers, stashed gradients): a new backward starts clean."""
+        self.grads = {}
+        self.backward_holds = 0
+        self.holds = 1
+        self.unhold()
+
+    # ------------------------------------------------------------------ gathers
+    def hold(self) -> None:
+        if self.holds == 0:
+            fulls = self._finish(self.prefetched or self._start(async_op=False))
+            self._held_keys = [id(param._local) for param in self.params]  # ops find their shard by identity
+            self.gatherer.held.update(zip(self._held_keys, fulls))
+            self.prefetched = None
+        self.holds += 1
+
+    def unhold(self) -> None:
+        self.holds = max(0, self.holds - 1)
+        if self.holds == 0:
+            for key in self._held_keys:
+                self.gatherer.held.pop(key, None)
+            self._held_keys = []
+
+    def prefetch(self) -> None:
+        """Start this unit's gathers now (overlapped mode: while the previous unit computes)."""
+        if self.holds == 0 and self.prefetched is None:
+            self.prefetched = self._start(async_op=True)
+            self.gatherer.prefetches += 1
+
+    def drop_prefetch(self) -> None:
+        pending, self.prefetched = self.prefetched, None
+        if pending is not None:
+            self._finish(pending)  # every rank issued it: complete it before dropping
+
+    def _label(self, positions: list[int]) -> str:
+        names = [self.params[i]._name for i in positions]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return f"all-gather of {', '.join(map(repr, names[:3]))}{more} (unit {self.name!r})"
+
+    def _start(self, *, async_op: bool) -> tuple:
+        """Issue the unit's gathers: one all-gather per (group, dtype) of a flat buffer of the shards."""
+        g = self.gatherer
+        shards = []
+        for param in self.params:
+            local = param._local if g.shard_source is None else g.shard_source.shard_for_gather(
+                g._index[id(param._local)], param)
+            if g.param_dtype is not None and local.is_floating_point() and local.dtype != g.param_dtype:
+                local = local.to(g.param_dtype)
+            shards.append(local)
+        g.gathers += len(self.params)
+        issued = []
+        for key, positions in self._buckets(shards).items():
+            flat = torch.cat([shards[i].reshape(-1) for i in positions])
+            with _comm.labelled(self._label(positions)):
+                issued.append((positions, flat.numel(), _comm.all_gather_rows(flat, key[0], async_op=async_op)))
+        return shards, issued
+
+    def _finish(self, pending: tuple) -> list[torch.Tensor]:
+        """Full base tensors of the unit's parameters, once their gathers completed."""
+        shards, issued = pending
+        out: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        for positions, numel, result in issued:
+            result.work.wait()
+            rows = result.buffer.view(-1, numel)  # (world, flat): one rank's shards per row
+            offset = 0
+            for i in positions:
+                layout, n = self.params[i]._layout, shards[i].numel()
+                out[i] = rows[:, offset:offset + n].reshape(layout.padded_shape)[: layout.shape[0]]
+                offset += n
+        for i, param in enumerate(self.params):  # other placements (layer-wise): their own gather, in order
+            if out[i] is None:
+                with _comm.labelled(self._label([i])):
+                    out[i] = param._layout.gather(shards[i]).buffer[: param._layout.shape[0]]
+        return out
+
+    def _buckets(self, tensors: list[torch.Tensor]) -> dict:
+        """Positions of dim-0 (plain ``ShardLayout``) parameters, by (group, dtype, device): one collective each."""
+        buckets: dict = {}
+        for i, (param, t) in enumerate(zip(self.params, tensors)):
+            if type(param._layout) is ShardLayout:
+                key = (param._layout.group, t.dtype, t.device)
+                buckets.setdefault(key, []).append(i)
+        return buckets
+
+    # ------------------------------------------------------------------ gradients
+    def stash(self, position: int, grad: torch.Tensor) -> None:
+        kept = self.grads.get(position)
+        if kept is None:
+            self.grads[position] = grad.clone(memory_format=torch.contiguous_format)
+        else:
+            kept.add_(grad)
+
+    def post_backward(self) -> None:
+        if self.backward_holds == 0:
+            return
+        self.backward_holds -= 1
+        self.unhold()
+        self.reduce()
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Every rank: this unit's gradients, in the fixed order, zeros where this rank has none."""
+        grads, self.grads = self.grads, {}
+        fulls = [grads.get(i) for i in range(len(self.params))]
+        mine = torch.tensor([0.0 if g is None else 1.0 for g in fulls], dtype=torch.float64)
+        fulls = [torch.zeros(p._layout.shape, dtype=p.dtype, device=p._local.device) if g is None else g
+                 for p, g in zip(self.params, fulls)]
+        strategy = self.grad_sync.strategy
+        if type(strategy) is ExactReducer and all(type(p._layout) is ShardLayout for p in self.params):
+            shards, flags = self._reduce_exact(fulls, mine, strategy.reduce_dtype)
+        else:  # another reducer or placement: the flags in one all-reduce, then each parameter in order
+            flags = mine.clone()
+            _comm.all_reduce(flags, self.params[0]._layout.group)
+            shards = []
+            for p, g in zip(self.params, fulls):
+                with _comm.inputs_may_be_overwritten(True):
+                    shards.append(strategy.reduce_grad(g, p._layout, key=p._name, dtype=p.dtype, owned=True,
+                                                       overlap=False))
+        for p, shard, flag in zip(self.params, shards, flags.tolist()):
+            if flag == 0:
+                continue  # no rank produced a gradient: .grad stays as it was (None in a first backward)
+            shard = shard.to(p.dtype)
+            if p.grad is None:
+                p.grad = ShardedParam(shard, p._layout, name=p._name)
+            else:
+                p.grad._local.add_(shard)
+
+    def _reduce_exact(self, fulls, mine, reduce_dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+        layouts = [p._layout for p in self.params]
+        world = layouts[0].world
+        dtype = reduce_dtype or functools.reduce(torch.promote_types, [g.dtype for g in fulls])
+        pieces = [lay.pad(g).to(dtype).reshape(world, -1) for lay, g in zip(layouts, fulls)]
+        pieces.append(mine.to(dtype).expand(world, -1))  # every rank's flags in every rank's row: summed
+        flat = torch.cat(pieces, dim=1)
+        with _comm.labelled(f"gradient reduction of unit {self.name!r} ({len(fulls)} parameters, "
+                                f"first {self.params[0]._name!r})"), \
+                _comm.inputs_may_be_overwritten(True):
+            shard = _comm.reduce_scatter_rows(flat.reshape(-1), layouts[0].group).buffer
+        flags = shard[-len(fulls):].to(torch.float64)
+        shard = shard[: -len(fulls)] / world
+        out, offset = [], 0
+        for lay in layouts:
+            n = lay.local_shape().numel()
+            out.append(shard[offset:offset + n].view(lay.local_shape()))
+            offset += n
+        return out, flags
+
+
+class UnitSet:
+    """The units of one ``shard_module`` call, and the hooks that drive them."""
+
+    def __init__(self, root: nn.Module, modules: list[nn.Module], gatherer: Gatherer, grad_sync: GradSync):
+        self.units: list[_Unit] = []
+        self.of_param: dict[int, tuple[_Unit, int]] = {}  # id(parameter) -> (unit, position)
+        self.gatherer = gatherer
+        self._backward_task = None  # graph task whose end-of-backward callback is queued
+        uses: dict[int, int] = {}
+        for _, p in root.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        for module in modules:
+            params, seen = [], set()
+            inner: dict[int, int] = {}
+            for _, p in module.named_parameters(remove_duplicate=False):
+                inner[id(p)] = inner.get(id(p), 0) + 1
+            for p in module.parameters():
+                if isinstance(p, ShardedParam) and id(p) not in seen and inner[id(p)] == uses.get(id(p)) \
+                        and p._gatherer is gatherer and id(p) not in self.of_param:
+                    seen.add(id(p))
+                    params.append(p)
+            if not params:
+                continue
+            unit = _Unit(names.get(id(module), type(module).__name__), params, gatherer, grad_sync)
+            for i, p in enumerate(params):
+                self.of_param[id(p)] = (unit, i)
+            self.units.append(unit)
+            module._shardtensor_unit = unit
+
+    def attach(self, modules: list[nn.Module], handles: list) -> None:
+        for module in modules:
+            unit = getattr(module, "_shardtensor_unit", None)
+            if unit is None:
+                continue
+            handles.append(module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
+            handles.append(module.register_forward_hook(self._post_forward(unit), always_call=True))
+
+    def take_grad(self, param: ShardedParam, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to
+        AccumulateGrad (the reduced shard is added to ``.grad`` later).  None: not a unit parameter."""
+        found = self.of_param.get(id(param))
+        if found is None:
+            return None
+        unit, position = found
+        self._queue_end_of_backward()
+        unit.stash(position, grad)
+        return ShardedParam(grad.new_zeros(param._layout.local_shape(), dtype=param.dtype), param._layout,
+                            name=param._name)
+
+    def _pre_forward(self, unit: _Unit):
+        def hook(module, args, kwargs):
+            unit.hold()
+            self._prefetch_after(unit, +1)
+            if not torch.is_grad_enabled():
+                return None
+            flat = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if not flat:
+                return None
+            wrapped = iter(_PostBackward.apply(unit, *flat))
+            return tuple(next(wrapped) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                         for a in args), kwargs
+
+        return hook
+
+    def _post_forward(self, unit: _Unit):
+        def hook(module, args, output):
+            unit.unhold()
+            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit),
+                                                              mode="any")
+            return None
+
+        return hook
+
+    def _pre_backward(self, unit: _Unit) -> None:
+        self._queue_end_of_backward()
+        unit.hold()
+        unit.backward_holds += 1
+        self._prefetch_after(unit, -1)
+
+    def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._backward_task:
+            if self._backward_task is not None:  # the previous backward failed before its end: drop its state
+                for unit in self.units:
+                    unit.reset()
+            self._backward_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _prefetch_after(self, unit: _Unit, step: int) -> None:
+        """Overlapped mode: start the next unit's gathers (forward: the next in module order; backward: the
+        previous), as FSDP2 does.  Every rank reaches the same hooks, so every rank issues the same prefetch."""
+        if self.gatherer.reduce_overlap_bytes() <= 0:
+            return
+        k = self.units.index(unit) + step
+        if 0 <= k < len(self.units):
+            self.units[k].prefetch()
+
+    def step_begin(self, *args) -> None:
+        """Root forward: prefetches nobody used (the order changed) are completed and dropped."""
+        for unit in self.units:
+            unit.drop_prefetch()
+
+    def _end_of_backward(self) -> None:
+        """Units whose inputs needed no gradient (no post-backward node ran): free and reduce, in unit order."""
+        self._backward_task = None
+        for unit in self.units:
+            unit.drop_prefetch()
+            while unit.backward_holds:
+                unit.post_backward()
+
+
+def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_sync: GradSync,
+                 handles: list) -> Optional[UnitSet]:
+    """Build the units ``policy`` selects and hook them up (none in a world of one: nothing to gather)."""
+    modules = select_units(root, policy)
+    units = UnitSet(root, modules, gatherer, grad_sync)
+    if not units.units or all(u.params[0]._layout.world == 1 for u in units.units):
+        return None
+    handles.append(root.register_forward_pre_hook(units.step_begin))  # before a root unit's own hook
+    units.attach(modules, handles)
+    grad_sync.units = units
+    return units

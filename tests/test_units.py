@@ -1,0 +1,130 @@
+"""Gather units: ranks whose data routes them to different experts still train exactly like the unsharded model.
+
+With the default unit policy an MoE layer (a module with an expert list) or the block holding it gathers all its
+parameters at its forward and backward, and reduces its gradients together, so every rank issues the same
+collectives whatever its routing; an expert no rank used keeps ``grad=None`` (AdamW leaves it undecayed, as
+the unsharded reference does)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from rank_pool import run_on_ranks
+
+MODES = ["sequential", "overlapped"]
+ROUTES = {"same-counts": ((0, 0, 0, 0), (1, 1, 1, 1)), "different-counts": ((0, 1, 0, 1), (1, 1, 1, 1))}
+
+
+class MoE(nn.Module):
+    """An expert loop that calls only the experts some token was routed to (transformers' eager Mixtral path)."""
+
+    def __init__(self, dim: int, experts: int = 3):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(dim, dim, dtype=torch.float64) for _ in range(experts))
+
+    def forward(self, x, route):
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = route == e
+            if mask.any():
+                out = out.index_put((mask,), expert(x[mask]))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, dtype=torch.float64)
+        self.moe = MoE(dim)
+
+    def forward(self, x, route):
+        return x + self.moe(self.proj(x).tanh(), route)
+
+
+class Net(nn.Module):
+    """Blocks in a ModuleList (each a default unit) with an MoE layer inside each, and a head outside any unit."""
+
+    def __init__(self, dim: int = 6, blocks: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(blocks))
+        self.head = nn.Linear(dim, 1, dtype=torch.float64)
+
+    def forward(self, x, route):
+        for block in self.blocks:
+            x = block(x, route)
+        return self.head(x).square().mean()
+
+
+class BareMoE(MoE):
+    """The MoE layer as the root module: a unit by the expert-list rule."""
+
+    def forward(self, x, route):
+        return super().forward(x, route).square().mean()
+
+
+def train_and_compare(mode: str, routes: tuple, model_kind: str, units=None) -> dict:
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    reference = Net() if model_kind == "net" else BareMoE(6)
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode, units=units)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xs = [torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(world)]
+        model(xs[rank], torch.tensor(routes[rank])).backward()
+        opt.step()
+        opt.zero_grad()
+        sum(reference(x, torch.tensor(r)) for x, r in zip(xs, routes)).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    return {name: (full[name] - value).abs().max().item() for name, value in reference.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("routes", ROUTES.values(), ids=ROUTES.keys())
+@pytest.mark.parametrize("model_kind", ["net", "bare"])
+def test_expert_loop_trains_like_the_unsharded_model(mode, routes, model_kind):
+    for rank, diffs in enumerate(run_on_ranks(2, train_and_compare, mode, routes, model_kind, timeout=120)):
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < 1e-9, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
+
+
+def unit_collectives(units) -> dict:
+    """Unit gathers and gradient reductions count; an expert nobody used keeps grad None on every rank."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(Net(), gather="overlapped", units=units)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    route = torch.tensor([0, 1, 0, 1] if dist.get_rank() == 0 else [1, 1, 1, 1])
+    model(x, route).backward()
+    return {"unused_grad_is_none": model.blocks[0].moe.experts[2].weight.grad is None,
+            "used_grad": model.blocks[0].moe.experts[0].weight.grad is not None,
+            "units": [u.name for u in model._shardtensor.grad_sync.units.units]
+            if model._shardtensor.grad_sync.units is not None else []}
+
+
+def test_default_units_are_the_blocks_and_unused_experts_keep_no_gradient():
+    for out in run_on_ranks(2, unit_collectives, None):
+        assert out == {"unused_grad_is_none": True, "used_grad": True, "units": ["blocks.0", "blocks.1"]}
+
+
+def test_units_can_be_chosen_by_class_or_callable():
+    assert run_on_ranks(2, unit_collectives, (MoE,))[0]["units"] == ["blocks.0.moe", "blocks.1.moe"]
+    assert run_on_ranks(2, unit_collectives, _is_block)[0]["units"] == ["blocks.0", "blocks.1"]
+
+
+def _is_block(module) -> bool:
+    return type(module).__name__ == "Block"

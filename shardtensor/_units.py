@@ -11,8 +11,11 @@ are reduced together, in a fixed order, with zeros for a parameter this rank pro
 has-gradient flag per parameter travels in the same collective: a parameter no rank produced a gradient for
 keeps ``grad=None``, as in the unsharded model (so AdamW does not decay an expert nobody used).
 
-A parameter shared with anything outside its unit (tied weights) stays with per-op gathers.  Units are on in
-both gather modes: sequential mode then holds one unit's parameters at a time instead of one op's.
+A parameter shared with anything outside its unit (tied weights) stays with per-op gathers.  The default units
+depend on the mode: overlapped and auto take FSDP2's wrapping (each block: one collective per block and
+direction instead of one per parameter); sequential mode, whose point is the lowest peak (one parameter at a
+time), takes only the modules whose members the data picks (an MoE layer), where a unit is needed for the
+right numbers.  An explicit ``units=`` applies in every mode.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import _comm
 from ._layout import ShardLayout
+from .gather import GatherMode
 from .reduce import ExactReducer
 from .tensor import ShardedParam
 
@@ -43,15 +47,15 @@ def _data_dependent(module: nn.Module) -> bool:
                for name, child in module.named_children())
 
 
-def default_units(root: nn.Module) -> list[nn.Module]:
-    """FSDP2's usual wrapping: each member of the outermost ``ModuleList``/``Sequential`` (a block), and any
-    module with an expert list (an MoE layer) that is not already inside a unit."""
+def default_units(root: nn.Module, blocks: bool = True) -> list[nn.Module]:
+    """FSDP2's usual wrapping: each member of the outermost ``ModuleList``/``Sequential`` (a block; only with
+    ``blocks``), and any module with an expert list (an MoE layer) that is not already inside a unit."""
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         if _data_dependent(module):
             found.append(module)
-        elif isinstance(module, _CONTAINERS):
+        elif isinstance(module, _CONTAINERS) and blocks:
             found.extend(child for child in module.children() if any(True for _ in child.parameters()))
         else:
             for child in module.children():
@@ -61,11 +65,11 @@ def default_units(root: nn.Module) -> list[nn.Module]:
     return found
 
 
-def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
+def select_units(root: nn.Module, policy: UnitPolicy, blocks: bool = True) -> list[nn.Module]:
     """The outermost modules ``policy`` names: module classes, or a callable ``module -> bool`` (FSDP2 style);
-    ``None``/``True``: ``default_units``; ``False`` or ``()``: none."""
+    ``None``/``True``: ``default_units`` (blocks too where ``blocks``); ``False`` or ``()``: none."""
     if policy is None or policy is True:
-        return default_units(root)
+        return default_units(root, blocks)
     if policy is False:
         return []
     if isinstance(policy, (list, tuple, set, frozenset)):
@@ -379,7 +383,7 @@ class UnitSet:
 def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_sync: GradSync,
                  handles: list) -> Optional[UnitSet]:
     """Build the units ``policy`` selects and hook them up (none in a world of one: nothing to gather)."""
-    modules = select_units(root, policy)
+    modules = select_units(root, policy, blocks=gatherer.mode is not GatherMode.SEQUENTIAL)
     units = UnitSet(root, modules, gatherer, grad_sync)
     if not units.units or all(u.params[0]._layout.world == 1 for u in units.units):
         return None

@@ -100,8 +100,8 @@ def shard_module(
         units: gather units (``shardtensor._units``): module classes or a callable ``module -> bool`` whose
             (outermost) modules gather all their parameters at their forward and backward and reduce their
             gradients together, so ranks whose data calls different members (an MoE expert loop) still issue
-            the same collectives; ``False``: none (Default: each member of the outermost ModuleList/Sequential,
-            and any module with an expert list).
+            the same collectives; ``False``: none (Default: any module with an expert list; in overlapped and
+            auto mode also each member of the outermost ModuleList/Sequential, one collective per block).
     Returns:
         ``module`` itself.
     """

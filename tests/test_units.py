@@ -99,14 +99,14 @@ def test_expert_loop_trains_like_the_unsharded_model(mode, routes, model_kind):
         assert diffs[worst] < 1e-9, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
 
 
-def unit_collectives(units) -> dict:
+def unit_collectives(units, mode: str = "overlapped") -> dict:
     """Unit gathers and gradient reductions count; an expert nobody used keeps grad None on every rank."""
     import torch.distributed as dist
 
     import shardtensor
 
     torch.manual_seed(0)
-    model = shardtensor.shard_module(Net(), gather="overlapped", units=units)
+    model = shardtensor.shard_module(Net(), gather=mode, units=units)
     x = torch.randn(4, 6, dtype=torch.float64)
     route = torch.tensor([0, 1, 0, 1] if dist.get_rank() == 0 else [1, 1, 1, 1])
     model(x, route).backward()
@@ -119,6 +119,13 @@ def unit_collectives(units) -> dict:
 def test_default_units_are_the_blocks_and_unused_experts_keep_no_gradient():
     for out in run_on_ranks(2, unit_collectives, None):
         assert out == {"unused_grad_is_none": True, "used_grad": True, "units": ["blocks.0", "blocks.1"]}
+
+
+def test_sequential_mode_defaults_to_the_data_dependent_units_only():
+    # Its point is the lowest peak (one parameter at a time): whole blocks would raise it; only the MoE layers,
+    # whose members the data picks, need a unit for the right numbers.
+    for out in run_on_ranks(2, unit_collectives, None, "sequential"):
+        assert out == {"unused_grad_is_none": True, "used_grad": True, "units": ["blocks.0.moe", "blocks.1.moe"]}
 
 
 def test_units_can_be_chosen_by_class_or_callable():

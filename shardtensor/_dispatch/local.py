@@ -131,7 +131,11 @@ def _local(func, args, kwargs):
     params = _params_in(args, kwargs)
     written_params = _written_params(func, args, kwargs)
     writes_shard = bool(written_params)
-    allow_scalars = writes_shard or not torch.is_grad_enabled()
+    # A 0-d tensor operand is the same on every rank in an optimizer step, but not inside a backward: there it
+    # can be this rank's upstream gradient (vector_norm's backward is ``w * (grad / norm)``), and a shard-wise
+    # product would leave each rank's rows scaled by its own gradient, never averaged.  Those run gathered, so
+    # the gradient hook receives a whole gradient and reduces it.
+    allow_scalars = writes_shard or (not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1)
     if _localizable(params) and _plain_tensors_ok(_leaves(args, kwargs), allow_scalars):
         out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
         if writes_shard:

@@ -1,0 +1,39 @@
+"""A backward formula that multiplies the parameter by a per-rank 0-d gradient still averages across ranks.
+
+``linalg.vector_norm``'s backward is ``w * (grad / norm)``: the 0-d factor is this rank's upstream gradient, which
+differs between ranks.  Run shard-wise, each rank's rows would be scaled by its own factor and never averaged
+(a silent error of 0.23 at world 2 before the fix); the whole-gradient path reduces it like any other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rank_pool import run_on_ranks
+
+
+def norm_gradient_error(fn_name: str) -> float:
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 5, dtype=torch.float64)  # 5 rows: the last rank's shard is padded
+    full = layer.weight.detach().clone()
+    shardtensor.shard_module(layer)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    fns = {"vector_norm": lambda w: torch.linalg.vector_norm(w),
+           "normalize_sum": lambda w: (torch.nn.functional.normalize(w, dim=0) * torch.arange(4.0, dtype=w.dtype)).sum()}
+    (fns[fn_name](layer.weight) * (rank + 1.0)).backward()
+    reference = full.clone().requires_grad_(True)
+    mean_scale = sum(r + 1.0 for r in range(world)) / world
+    (fns[fn_name](reference) * mean_scale).backward()
+    return float((layer.weight.grad.full_tensor() - reference.grad).abs().max())
+
+
+@pytest.mark.parametrize("fn_name", ["vector_norm", "normalize_sum"])
+def test_per_rank_upstream_gradient_is_averaged(fn_name):
+    for error in run_on_ranks(2, norm_gradient_error, fn_name):
+        assert error < 1e-12, error

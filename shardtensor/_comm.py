@@ -85,10 +85,7 @@ def set_collective_timeout(seconds: float) -> float:
     (600 s, or ``$SHARDTENSOR_COLLECTIVE_TIMEOUT``) leaves room for slow first steps; tests use a few seconds.
     """
     global _timeout_s
-    seconds = float(seconds)
-    if not seconds > 0:
-        raise ValueError(f"set_collective_timeout: {seconds=}; expected a positive number of seconds")
-    previous, _timeout_s = _timeout_s, seconds
+    previous, _timeout_s = _timeout_s, _div.positive_seconds("set_collective_timeout", seconds)
     return previous
 
 

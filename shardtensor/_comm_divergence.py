@@ -81,13 +81,18 @@ def divergence_check_enabled(device_type: str = "cpu") -> bool:
     return _enabled if _enabled is not None else device_type == "cpu"
 
 
+def positive_seconds(setter: str, seconds: float) -> float:
+    """``seconds`` as a float, or a ValueError naming the setter (shared by the timeout and the probe interval)."""
+    seconds = float(seconds)
+    if not seconds > 0:
+        raise ValueError(f"{setter}: {seconds=}; expected a positive number of seconds")
+    return seconds
+
+
 def set_probe_interval(seconds: float) -> float:
     """Seconds a CPU collective waits before the ranks compare positions (see [Note: stall probes])."""
     global _probe_s
-    seconds = float(seconds)
-    if not seconds > 0:
-        raise ValueError(f"set_probe_interval: {seconds=}; expected a positive number of seconds")
-    previous, _probe_s = _probe_s, seconds
+    previous, _probe_s = _probe_s, positive_seconds("set_probe_interval", seconds)
     return previous
 
 

@@ -121,24 +121,23 @@ CASES = [
 ]
 
 
+def _with_explicit_cases(test):
+    """Every hand-written case in ``CASES`` runs in both worlds, before the drawn sequences."""
+    for case in reversed(CASES):
+        test = example(*case).via("explicit")(test)
+    return test
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(shape=shapes, seed=st.integers(0, 1000), names=sequences)
-@example(*CASES[0]).via("explicit")
-@example(*CASES[1]).via("explicit")
-@example(*CASES[2]).via("explicit")
-@example(*CASES[3]).via("explicit")
-@example(*CASES[4]).via("explicit")
+@_with_explicit_cases
 def test_random_op_sequences_match_plain_tensors_world1(shape, seed, names):
     _check([run_sequence(*shape, seed, names)], names)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(shape=shapes, seed=st.integers(0, 1000), names=sequences)
-@example(*CASES[0]).via("explicit")
-@example(*CASES[1]).via("explicit")
-@example(*CASES[2]).via("explicit")
-@example(*CASES[3]).via("explicit")
-@example(*CASES[4]).via("explicit")
+@_with_explicit_cases
 def test_random_op_sequences_match_plain_tensors_world2(shape, seed, names):
     """Rows not divisible by 2 and 1-row tensors included: one rank then holds only padding."""
     _check(run_on_ranks(2, run_sequence, *shape, seed, names), names)

@@ -8,11 +8,14 @@ decides which parameters a rank touches (MoE routing, skipped blocks), two ranks
 different tensors: same sizes mix silently, different sizes abort in gloo's C++ (``op.preamble.length <=
 op.nbytes``).  So before each data collective the ranks all-gather a five-number record (the group's sequence
 number, the collective's kind, a CRC of its label -- which names the parameter --, the element count and the
-dtype).  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
+dtype) on a gloo control group of the data group's own (``control_group``), where it does not queue behind the
+gathers already prefetched on the data group.  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
 ``DivergenceError`` (after one more exchange of the full labels, so the message names both parameters), and the
 data collective is never issued.  ``set_divergence_check(False)`` or ``SHARDTENSOR_DIVERGENCE_CHECK=0`` turns
-it off; CUDA (NCCL) groups skip it by default, since reading the record back would block the CPU on the stream
-(``SHARDTENSOR_DIVERGENCE_CHECK=1`` forces it there too).
+it off.  CUDA (NCCL) groups skip it by default: the records travel on the CPU (the control group is gloo, so
+no stream is waited on), but each check still holds every rank's host thread until all arrive, which a GPU
+job that runs its host far ahead of the kernels would feel; no GPU figure exists yet to weigh that
+(``SHARDTENSOR_DIVERGENCE_CHECK=1`` turns it on there).
 
 [Note: stall probes]
 A rank that stops issuing collectives leaves the others waiting.  CPU waits are split: after
@@ -150,6 +153,38 @@ def _describe(kind: str, label: str, numel: int, dtype: torch.dtype) -> str:
     return f"{label or kind} [{kind}, {numel} elements of {dtype} on this rank's side of the collective]"
 
 
+# ----------------------------------------------------------------------------------------------- control groups
+_controls: dict = {}  # id(data group) -> (data group, its control group)
+_incarnations: dict = {}  # data group name -> control groups this process has built for that name
+
+
+def control_group(group, timeout_s: float):
+    """The gloo group that carries ``group``'s identity records (see [Note: the identity check]).
+
+    Why a second group: records sent on the data group queue behind the prefetches already in flight there, so
+    every check would wait for the previous gathers to finish and overlap would be lost.  Built straight from
+    the default store under a name derived from the data group's (which every member shares) on the first
+    check of that group, where every member arrives; not registered with c10d, whose names for new groups
+    depend on how many groups each process has already made.  Without a default store: the data group itself.
+    """
+    key = id(group) if group is not None else 0
+    hit = _controls.get(key)
+    if hit is not None and hit[0] is group:
+        return hit[1]
+    store = _store()
+    pg = group if group is not None else dist.group.WORLD
+    if store is None:
+        return group
+    name = getattr(pg, "group_name", "?")
+    incarnation = _incarnations.get(name, 0)
+    prefix = dist.PrefixStore(f"shardtensor/control/{name}/{incarnation}/", store)
+    control = dist.ProcessGroupGloo(prefix, dist.get_rank(pg), dist.get_world_size(pg),
+                                    datetime.timedelta(seconds=timeout_s))
+    _incarnations[name] = incarnation + 1  # counted once built: a setup that timed out is retried under its name
+    _controls[key] = (group, control)
+    return control
+
+
 # ---------------------------------------------------------------------------------------------- identity check
 def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gather) -> int:
     """Advance this rank's position on ``group``; when the check is on, exchange the identity record and raise
@@ -162,9 +197,8 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gathe
     started = time.perf_counter()
     world = dist.get_world_size(group)
     dtype_code = _crc(str(tensor.dtype))
-    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code], dtype=torch.int64,
-                        device=tensor.device)
-    everyone = torch.empty(world * _FIELDS, dtype=torch.int64, device=tensor.device)
+    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code], dtype=torch.int64)
+    everyone = torch.empty(world * _FIELDS, dtype=torch.int64)
     all_gather(everyone, mine, group, f"identity check before {pos.label}", pos.seq)
     if torch.equal(everyone.view(world, _FIELDS), mine.expand(world, _FIELDS)):
         _stats[0] += 1
@@ -180,9 +214,8 @@ def _raise_divergence(records: list, text: str, group, pos: _Position, all_gathe
     encoded = text.encode()[:_LABEL_BYTES]
     mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
     mine[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    device = torch.device("cpu") if dist.get_backend(group) != "nccl" else torch.device("cuda")
-    everyone = torch.empty(world * _LABEL_BYTES, dtype=torch.uint8, device=device)
-    all_gather(everyone, mine.to(device), group, "exchanging names after a divergence", pos.seq)
+    everyone = torch.empty(world * _LABEL_BYTES, dtype=torch.uint8)
+    all_gather(everyone, mine, group, "exchanging names after a divergence", pos.seq)
     rows = everyone.cpu().view(world, _LABEL_BYTES)
     texts = [bytes(rows[r].tolist()).rstrip(b"\0").decode(errors="replace") for r in range(world)]
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
@@ -225,11 +258,27 @@ def _read(store, global_rank: int) -> Optional[dict]:
         return None
 
 
+_reset_record = [False]  # this rank published "failed" or "waiting": its next completed wait says "running"
+
+
 def publish_failure(message: str) -> None:
     """Tell the other ranks that this one gave up (they stop waiting for it; see [Note: stall probes])."""
     store = _store() if dist.is_initialized() else None
     if store is not None:
         _publish(store, {"state": "failed", "time": time.time(), "message": message[:2000]})
+        _reset_record[0] = True
+
+
+def _progressed(store) -> None:
+    """A wait of this rank completed: a failure it published earlier is over (the ranks went on after it), so a
+    rank probing later must not take it for the current one."""
+    global _last_progress
+    _last_progress = time.time()
+    if _reset_record[0]:
+        _reset_record[0] = False
+        store = store if store is not None else _store()
+        if store is not None:
+            _publish(store, {"state": "running", "time": _last_progress})
 
 
 def _timed_out(exc: BaseException) -> bool:
@@ -241,12 +290,11 @@ def wait_watched(work, seconds: float, group, pos: _Position, what: str) -> None
 
     Raises ``DivergenceError`` on proof of divergence, and lets the backend's timeout error through otherwise.
     """
-    global _last_progress
     deadline = time.monotonic() + seconds
     first = min(_probe_s, seconds)
     try:
         work.wait(timeout=datetime.timedelta(seconds=first))
-        _last_progress = time.time()
+        _progressed(None)
         return
     except Exception as exc:  # noqa: BLE001 - a timeout (probe), else a real failure: raised at once
         if time.monotonic() >= deadline or not _timed_out(exc):
@@ -270,9 +318,8 @@ def wait_watched(work, seconds: float, group, pos: _Position, what: str) -> None
         except Exception as exc:  # noqa: BLE001
             if time.monotonic() >= deadline or not _timed_out(exc):
                 raise
-    _last_progress = time.time()
-    if store is not None:
-        _publish(store, {"state": "running", "time": time.time()})
+    _reset_record[0] = True  # the record says "waiting": _progressed overwrites it
+    _progressed(store)
 
 
 def _where(record: Optional[dict]) -> str:
@@ -299,10 +346,12 @@ def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
     others = [r for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD) if r != me]
     records = {r: _read(store, r) for r in others}
     for r, rec in records.items():
-        if rec and rec.get("state") == "failed" and rec.get("time", 0) >= _last_progress - 1.0:
-            raise DivergenceError(
-                f"shardtensor rank {me}: waiting at collective #{mine['seq']} on group {mine['group']} "
-                f"({mine['label']}), but rank {r} already failed:\n  {rec.get('message', '')}\n{_FIX}")
+        # A failure older than this rank's last completed wait is over: that rank went on to complete it.
+        if rec and rec.get("state") == "failed" and rec.get("time", 0) > _last_progress:
+            message = (f"shardtensor rank {me}: waiting at collective #{mine['seq']} on group {mine['group']} "
+                       f"({mine['label']}), but rank {r} already failed:\n  {rec.get('message', '')}\n{_FIX}")
+            publish_failure(message)  # a third rank waiting on this one learns it too
+            raise DivergenceError(message)
     blocked_elsewhere = []
     for r, rec in records.items():
         previous, seen[r] = seen.get(r), rec

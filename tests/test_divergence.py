@@ -4,6 +4,8 @@ every case must end in seconds because the identity check or the stall probes na
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -140,23 +142,32 @@ def test_moe_with_the_default_units_runs_on_every_rank(mode):
     assert [out["error"] for out in outcomes] == [None, None], outcomes
 
 
-def models_on_two_groups_in_rank_order(mode: str) -> dict:
-    """Each rank blocks in a collective of a different group: the identity check cannot meet, the probes can."""
+def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False) -> dict:
+    """Each rank blocks in a collective of a different group: the identity check cannot meet, the probes can.
+    With ``earlier_failure``, rank 1 failed just before and the ranks went on together: that failure is over and
+    must not be taken for the current one (a rank that did would raise alone and leave the other waiting)."""
     import torch.distributed as dist
 
     import shardtensor
+    from shardtensor import _comm, _comm_divergence
 
     groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
     torch.manual_seed(0)
     models = [shardtensor.shard_module(_Blocks(1), gather=mode, group=g) for g in groups]
+    if earlier_failure:
+        if dist.get_rank() == 1:
+            _comm_divergence.publish_failure("an earlier failure, already over")
+        _comm.barrier(label="the ranks go on together")
+        if dist.get_rank() == 1:  # rank 0's first probe reads rank 1's record before rank 1 publishes a new one
+            time.sleep(_comm_divergence.probe_interval() / 2)
     x = torch.randn(4, 8, dtype=torch.float64)
     order = models if dist.get_rank() == 0 else models[::-1]
     out = _outcome(lambda: [m(x).backward() for m in order])
-    # Once both ranks have raised, complete the identity exchange each left pending on its group, so the pool's
-    # ranks stay usable.
+    # Once both ranks have raised, complete the identity exchange each left pending on its group's control
+    # group, so the pool's ranks stay usable.
     dist.barrier()
-    other = groups[1 - dist.get_rank()]
-    dist.all_gather_single(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), group=other)
+    other = _comm_divergence.control_group(groups[1 - dist.get_rank()], _comm.collective_timeout())
+    other._allgather_base(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)).wait()
     for g in groups:
         dist.destroy_process_group(g)
     return out
@@ -166,6 +177,12 @@ def models_on_two_groups_in_rank_order(mode: str) -> dict:
 def test_ranks_blocked_in_different_groups_raise_on_every_rank_in_seconds(mode):
     outcomes = run_on_ranks(2, models_on_two_groups_in_rank_order, mode, timeout=60)
     _assert_named_everywhere(outcomes, "blocked in a different collective", "'blocks.0.")
+
+
+def test_a_failure_the_ranks_went_on_from_is_not_taken_for_a_new_one():
+    outcomes = run_on_ranks(2, models_on_two_groups_in_rank_order, "sequential", True, timeout=60)
+    _assert_named_everywhere(outcomes, "blocked in a different collective", "'blocks.0.")
+    assert not any("already over" in out["message"] for out in outcomes), outcomes
 
 
 def check_switch() -> dict:

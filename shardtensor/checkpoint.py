@@ -3,14 +3,17 @@
     shardtensor.save_checkpoint(path, model, opt)        # torch.distributed.checkpoint, one file per rank
     shardtensor.load_checkpoint(path, model, opt)        # world size may differ from the one that saved
 
-[Note: why DTensors in the state dict]
-``torch.distributed.checkpoint`` (DCP) reshards by itself when every tensor says which global rows it holds: a
-DTensor does.  ``ShardedParam.to_dtensor()`` gives one over this rank's valid rows (a view, no copy), so DCP
-saves exactly the unpadded rows and, on load, copies the overlapping rows of whatever ranks saved into the
-views, i.e. into the shards in place.  Resharding W -> W' is therefore DCP's, and bit-exact (rows are copied,
-never recomputed).  Optimizer state is keyed by parameter name (not by position) so it survives a model that
-registers its parameters in another order; its ShardedParam tensors (Adam's moments) go the same way, and
-replicated scalars (``step``) are saved once.
+[Note: state dicts are torch's]
+The state dicts are the ones ``torch.distributed.checkpoint.state_dict`` makes and consumes
+(``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_model_state_dict`` /
+``set_optimizer_state_dict``): optimizer state keyed by parameter name (it survives a model that registers its
+parameters in another order), hyper-parameters restored by ``optimizer.load_state_dict``.  Their values are the
+module's and optimizer's own ShardedParams, and a ShardedParam speaks DCP's protocol for partial tensors as the
+``Shard(0)`` DTensor ``to_dtensor()`` gives over this rank's valid rows (a view, no copy).  So DCP saves exactly
+the unpadded rows and, on load, copies the overlapping rows of whatever ranks saved into the shards in place:
+resharding W -> W' is DCP's, and bit-exact (rows are copied, never recomputed).  Replicated scalars (Adam's
+``step``) are saved once.  A user's own ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict``
+works the same way on a sharded model.
 
 Loads are all-or-nothing: see [Note: all-or-nothing loads] in ``checkpoint_verify.py``.
 """
@@ -23,6 +26,14 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.utils._pytree import tree_map_only
 
 from . import _comm
 from .checkpoint_files import CheckpointError
@@ -34,69 +45,59 @@ _MODEL, _OPTIM = "model", "optim"
 
 # ---------------------------------------------------------------------------------------------- state dicts
 def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` with every ShardedParam as a ``Shard(0)`` DTensor over this rank's rows (no copy).
+    """``get_model_state_dict(module)`` with every ShardedParam as a ``Shard(0)`` DTensor over this rank's rows
+    (no copy).
 
     Pass it to ``torch.distributed.checkpoint.save``; ``torch.distributed.checkpoint.load`` into it writes the
     loaded rows into the module's shards in place.
     """
-    return {key: _as_dtensor(value) for key, value in module.state_dict().items()}
-
-
-def _as_dtensor(value):
-    return value.to_dtensor() if isinstance(value, ShardedParam) else value
-
-
-def _param_names(module: nn.Module) -> dict[int, str]:
-    """id(param) -> its first fully qualified name (tied parameters appear once)."""
-    names: dict[int, str] = {}
-    for name, param in module.named_parameters():
-        names.setdefault(id(param), name)
-    return names
+    return _as_dtensors(get_model_state_dict(module))
 
 
 def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name, ShardedParam states as DTensors (no copy).
+    """``get_optimizer_state_dict(module, optimizer)``, ShardedParam states as DTensors (no copy).
 
     ``{"state": {name: {"exp_avg": DTensor, "step": tensor, ...}}, "param_groups": [{..., "params": [names]}]}``
+    An optimizer that has not stepped yet gives no state and is left as it was.
     """
-    names = _param_names(module)
-    state: dict[str, dict] = {}
-    groups = []
+    return _as_dtensors(_optimizer_state_dict(module, optimizer, to_load_into=False))
+
+
+def _as_dtensors(state: dict) -> dict:
+    return tree_map_only(ShardedParam, lambda t: t.to_dtensor(), state)
+
+
+def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *, to_load_into: bool) -> dict:
+    """``get_optimizer_state_dict``, with two of its habits kept from reaching the caller.
+
+    An optimizer that has not stepped has no state tensors for ``dcp.load`` to load into, so the helper makes
+    them with one step at lr 0 on zero gradients; but it skips that when any parameter already has a gradient
+    (it takes that for a stateless optimizer such as SGD that has stepped), which would leave a load right after
+    a backward nothing to load into.  So the gradients are set aside around the call and put back after.  That
+    step also counts (Adam's ``step`` becomes 1, changing its next bias correction), so unless the state is made
+    to be loaded into, it is dropped again: saving never changes how training continues.
+    """
+    names = {id(p) for p in module.parameters()}
     for group in optimizer.param_groups:
-        group_names = []
         for param in group["params"]:
             if id(param) not in names:
                 raise ValueError(
-                    f"sharded_optimizer_state_dict: the optimizer holds a parameter of shape {tuple(param.shape)} "
-                    f"that is not in {type(module).__name__} (build the optimizer on model.parameters())"
-                )
-            name = names[id(param)]
-            group_names.append(name)
-            if param in optimizer.state:
-                state[name] = {k: _as_dtensor(v) for k, v in optimizer.state[param].items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
-    return {"state": state, "param_groups": groups}
-
-
-@torch.no_grad()
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (a step with zero gradients and lr 0) so there is something to load
-    into; torch.distributed.checkpoint.state_dict does the same.  Parameters do not change: lr is 0."""
+                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in "
+                    f"{type(module).__name__} (build the optimizer on model.parameters())")
     if optimizer.state:
-        return
-    saved = []
-    for group in optimizer.param_groups:
-        lr = group["lr"]
-        saved.append(lr)
-        group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-        for param in group["params"]:
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, saved):
-        group["lr"] = lr
-        for param in group["params"]:
-            param.grad = None
+        return get_optimizer_state_dict(module, optimizer)
+    grads = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]]
+    for param, _ in grads:
+        param.grad = None
+    try:
+        state = get_optimizer_state_dict(module, optimizer)
+    finally:
+        for param, grad in grads:
+            param.grad = grad
+    if not to_load_into:
+        optimizer.state.clear()
+        state["state"] = {}
+    return state
 
 
 # ---------------------------------------------------------------------------------------------- save / load
@@ -124,9 +125,9 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     """
     import torch.distributed.checkpoint as dcp
 
-    state = {_MODEL: sharded_state_dict(module)}
+    state = {_MODEL: get_model_state_dict(module)}  # ShardedParams: DCP saves their rows (see the Note above)
     if optimizer is not None:
-        state[_OPTIM] = sharded_optimizer_state_dict(module, optimizer)
+        state[_OPTIM] = _optimizer_state_dict(module, optimizer, to_load_into=False)
     _dcp(lambda: dcp.save(state, checkpoint_id=os.fspath(path)), "save", path)
     group, directory = _group(module), Path(path)
     rank, world = _comm.rank(group), _comm.world_size(group)
@@ -160,10 +161,10 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     try:
         metadata = verify(directory, _comm.rank(group), _comm.world_size(group)) if verify_checksums \
             else read_metadata_unverified(directory)
-        state = {_MODEL: sharded_state_dict(module)}
+        state = {_MODEL: get_model_state_dict(module)}  # the module's own tensors: dcp.load fills them in place
         if optimizer is not None:
-            _init_optimizer_state(optimizer)  # something to load into (undone below if the load is refused)
-            state[_OPTIM] = sharded_optimizer_state_dict(module, optimizer)
+            # A fresh optimizer gets zero state to load into (undone below if the load is refused).
+            state[_OPTIM] = _optimizer_state_dict(module, optimizer, to_load_into=True)
             _check_param_groups(metadata, optimizer)
         _check_against_metadata(metadata, state, strict)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
@@ -174,9 +175,12 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
             optimizer.state.clear()  # the zero state made to load into: the optimizer is as it was
         raise CheckpointError("load_checkpoint: nothing was loaded: " + " | ".join(dict.fromkeys(errors)))
     _dcp(lambda: dcp.load(state, checkpoint_id=os.fspath(path)), "load", path)
-    _copy_back(module.state_dict(), state[_MODEL])
+    # The tensors were loaded in place; these put back what DCP replaced instead (non-tensor values, the optimizer's
+    # hyper-parameters).  Not strict for the optimizer: a parameter that never had a gradient has no state, in
+    # the checkpoint or here, and that is no reason to fail half way through a load.
+    set_model_state_dict(module, state[_MODEL])
     if optimizer is not None:
-        _restore_optimizer(module, optimizer, state[_OPTIM])
+        set_optimizer_state_dict(module, optimizer, state[_OPTIM], options=StateDictOptions(strict=False))
 
 
 def _check_param_groups(metadata, optimizer: torch.optim.Optimizer) -> None:
@@ -213,47 +217,3 @@ def _check_against_metadata(metadata, state: dict, strict: bool) -> None:
         if extra:
             raise CheckpointError(f"load_checkpoint: the checkpoint has tensors the model lacks: {extra[:5]} "
                              "(pass strict=False to ignore them)")
-
-
-def _copy_back(own: dict, loaded: dict) -> None:
-    """DCP loads into the given tensors in place; copy anything it replaced instead (e.g. a non-tensor value)."""
-    for key, value in loaded.items():
-        target = own.get(key)
-        if isinstance(target, ShardedParam):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            rows = target._layout.valid_rows
-            if rows and local.data_ptr() != target._local.data_ptr():
-                target._local[:rows].copy_(local)
-        elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor) and value is not target:
-            target.copy_(value)
-
-
-def _restore_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-    by_name = dict(module.named_parameters())  # tied parameters under their first name, as _param_names
-    if len(loaded["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"load_checkpoint: the checkpoint has {len(loaded['param_groups'])} optimizer param groups, "
-                         f"the optimizer {len(optimizer.param_groups)}")
-    for name, values in loaded["state"].items():
-        param = by_name[name]
-        current = optimizer.state[param]
-        for key, value in values.items():
-            target = current.get(key)
-            if isinstance(target, ShardedParam):
-                local = value.to_local()
-                rows = target._layout.valid_rows
-                if rows and local.data_ptr() != target._local.data_ptr():
-                    target._local[:rows].copy_(local)
-            elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-                if value is not target:
-                    target.copy_(value)
-            else:
-                current[key] = value
-    for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
-        for key, value in saved.items():
-            if key == "params":
-                continue
-            if isinstance(group.get(key), torch.Tensor) and not isinstance(value, torch.Tensor):
-                group[key].fill_(value)
-            else:
-                group[key] = value
-

@@ -122,6 +122,20 @@ class ShardedParam(torch.Tensor):
         return DTensor.from_local(self._local[: layout.valid_rows], mesh, [Shard(0)], run_check=False,
                                   shape=layout.shape, stride=stride)
 
+    # torch.distributed.checkpoint's protocol for tensors that hold part of a global tensor (DTensor implements
+    # it).  With it a ShardedParam goes into dcp.save / dcp.load as the DTensor ``to_dtensor()`` gives: the
+    # state dicts of torch's get_state_dict / set_state_dict (which hold ShardedParams) save only this rank's
+    # rows and load, resharded, into the shard in place.
+    def __create_write_items__(self, fqn: str, obj: Any):
+        view = self.to_dtensor()
+        return view.__create_write_items__(fqn, view)
+
+    def __create_chunk_list__(self):
+        return self.to_dtensor().__create_chunk_list__()
+
+    def __get_tensor_shard__(self, index):
+        return self.to_dtensor().__get_tensor_shard__(index)
+
     @classmethod
     def from_dtensor(cls, dtensor, *, name: str = "", requires_grad: bool = False) -> "ShardedParam":
         """A ShardedParam over the same rows as a 1-d ``DTensor`` placed ``Shard(0)`` (or ``Replicate()``).

@@ -36,7 +36,6 @@ def _rank(rank: int, args) -> dict:
     import torch.distributed as dist
 
     import shardtensor
-    from shardtensor import _comm_divergence
     from shardtensor.models import GPT, GPTConfig, get_batch, synthetic_corpus
 
     corpus = synthetic_corpus(20_000, 4096, seed=0)
@@ -51,13 +50,13 @@ def _rank(rank: int, args) -> dict:
         for step in range(args.warmup + args.steps):
             x, y = get_batch(corpus, 4, 128, gen)
             dist.barrier()
-            before = _comm_divergence.identity_check_stats()
+            before = shardtensor.identity_check_stats()
             start = time.perf_counter()
             model(x, y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - start
-            after = _comm_divergence.identity_check_stats()
+            after = shardtensor.identity_check_stats()
             if step >= args.warmup:
                 times.append(elapsed)
                 checks.append(after["checks"] - before["checks"])

@@ -62,8 +62,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from shardtensor.launch import RankFailed, spawn_ranks  # noqa: E402
 
 CONFIGS = ["fsdp2", "deepspeed", "deepspeed-seq", "ddp", "local", "st-sequential", "st-overlapped", "st-auto",
-           "st-overlapped-persist"]
-DEFAULT_CONFIGS = CONFIGS[:-1]
+           "st-overlapped-persist", "st-overlapped-unchecked", "st-sequential-unchecked"]
+DEFAULT_CONFIGS = CONFIGS[:-3]
+# "-unchecked": the cross-rank identity check off (set_divergence_check(False)), to price it in the same run.
 # Optional peers: the module each needs, and how to get it (the ranks would fail on import otherwise).
 OPTIONAL = {"deepspeed": "deepspeed", "deepspeed-seq": "deepspeed"}
 INSTALL_HINT = {"deepspeed": "DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install --no-build-isolation deepspeed==0.19.8 "
@@ -154,7 +155,9 @@ def _wrap(model: torch.nn.Module, config: str, args: argparse.Namespace, device:
     kwargs = {} if args.prefetch_bytes is None else {"prefetch_bytes": args.prefetch_bytes}
     if config.endswith("-persist"):  # biases and norm weights stay whole on every rank: no gathers for them
         kwargs["persist_numel"] = PERSIST_NUMEL
-    return shardtensor.shard_module(model, gather=config.removeprefix("st-").removesuffix("-persist"), **kwargs)
+    shardtensor.set_divergence_check(not config.endswith("-unchecked"))
+    mode = config.removeprefix("st-").removesuffix("-persist").removesuffix("-unchecked")
+    return shardtensor.shard_module(model, gather=mode, **kwargs)
 
 
 def _deepspeed_config(config: str, batch: int) -> dict:
@@ -262,7 +265,7 @@ def run_rank(config: str, args: argparse.Namespace) -> dict:
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
-    import shardtensor  # noqa: F401
+    import shardtensor
 
     _warm_up_optimizer()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -285,7 +288,7 @@ def run_rank(config: str, args: argparse.Namespace) -> dict:
     marks = {"after_wrap_mib": (_memory_now(device) - base) / 2**20}
 
     profiler = None
-    losses, times, cpu_times = [], [], []
+    losses, times, cpu_times, check_times = [], [], [], []
     for step in range(args.warmup + args.steps):
         x, y = get_batch(corpus, args.batch, args.block, gen)
         x, y = x.to(device), y.to(device)
@@ -295,12 +298,16 @@ def run_rank(config: str, args: argparse.Namespace) -> dict:
 
             profiler = cProfile.Profile()
             profiler.enable()
+        checks_before = shardtensor.identity_check_stats()
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = step_fn(x, y)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
+        checks_after = shardtensor.identity_check_stats()
+        check_times.append((checks_after["seconds"] - checks_before["seconds"],
+                            checks_after["checks"] - checks_before["checks"]))
         losses.append(loss.item())
         if step == 0:
             marks["peak_after_step1_mib"] = (_memory_peak(device) - base) / 2**20
@@ -318,6 +325,9 @@ def run_rank(config: str, args: argparse.Namespace) -> dict:
         "base_mib": base / 2**20,
         "step_s": statistics.median(times[timed]),
         "cpu_s": statistics.median(cpu_times[timed]),
+        # the cross-rank identity check inside those steps (shardtensor only): seconds and checks per step
+        "identity_check_s": statistics.median(c[0] for c in check_times[timed]),
+        "identity_checks": statistics.median(c[1] for c in check_times[timed]),
         **marks,
         "step_s_min": min(times[timed]),
         "step_times_s": times,
@@ -407,7 +417,8 @@ def main(argv=None) -> dict:
             rows = spawn(config, args)
             runs[config].append(rows)
             print(f"[{rep + 1}/{args.repeats}] {config:<14} " + "  ".join(
-                f"rank {r['rank']}: {r['peak_mib']:6.1f} MiB {r['step_s']:.3f} s/step {r['cpu_s']:.3f} cpu-s/step"
+                f"rank {r['rank']}: {r['peak_mib']:6.1f} MiB {r['step_s']:.3f} s/step {r['cpu_s']:.3f} cpu-s/step "
+                f"identity check {r['identity_check_s'] * 1e3:.1f} ms/step ({r['identity_checks']:.0f})"
                 for r in rows) + f"  (loss {rows[0]['losses'][0]:.6f} -> {rows[0]['losses'][-1]:.6f}, "
                 f"{time.perf_counter() - t:.0f} s)", flush=True)
 

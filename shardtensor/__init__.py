@@ -5,7 +5,7 @@ optimizers, ``clip_grad_norm_``, gradient accumulation) runs unchanged.
 """
 
 from ._comm import CollectiveError, collective_timeout, set_collective_timeout
-from ._comm_divergence import DivergenceError, set_divergence_check
+from ._comm_divergence import DivergenceError, identity_check_stats, set_divergence_check
 from .api import full_state_dict, gather_stats, load_full_state_dict, shard_module
 from .checkpoint import load_checkpoint, save_checkpoint, sharded_optimizer_state_dict, sharded_state_dict
 from .composable import gradient_sync, unshard_module
@@ -45,4 +45,5 @@ __all__ = [
     "CollectiveError",
     "DivergenceError",
     "set_divergence_check",
+    "identity_check_stats",
 ]

@@ -135,3 +135,31 @@ def test_units_can_be_chosen_by_class_or_callable():
 
 def _is_block(module) -> bool:
     return type(module).__name__ == "Block"
+
+
+def collectives_per_step(layers: int) -> int:
+    """Collectives one training step issues in overlapped mode (each is preceded by one identity check)."""
+    import shardtensor
+    from shardtensor.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=layers, n_head=2,
+                                                   n_embd=16)), gather="overlapped")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 64, (2, 8))
+    counts = []
+    for _ in range(3):  # the first step records the order; the later ones replay it
+        before = shardtensor.identity_check_stats()["checks"]
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(shardtensor.identity_check_stats()["checks"] - before)
+    return counts[-1]
+
+
+def test_a_block_costs_at_most_two_collectives_per_direction():
+    """Gather units coalesce a block's 12 parameters: one gather in forward, one before its backward and one
+    reduce-scatter of its gradients, whatever the parameter count (per-parameter collectives cost 36 a block)."""
+    four, eight = (run_on_ranks(2, collectives_per_step, layers)[0] for layers in (4, 8))
+    assert eight - four <= 4 * 2 * 2, (four, eight)
+    assert four > 0

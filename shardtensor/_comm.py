@@ -106,21 +106,22 @@ def labelled(text: str) -> Iterator[None]:
 
 def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str, seq: int) -> None:
     """The identity check's own exchange (``_comm_divergence``): not itself checked, but timed and probed."""
-    try:
-        control = _div.control_group(group, _timeout_s)
-    except Exception as exc:  # noqa: BLE001 - a member that never arrives: the same named error as a collective
-        message = _TimedWork(None, "identity check setup", inp, group, what, seq)._message(_timeout_s, exc)
-        _div.publish_failure(message)
-        raise CollectiveError(message) from exc
-    if control is not group:
+    control = _div.control_group(group)
+    if control is not None:
         _TimedWork(control._allgather_base(out, inp), "identity all-gather", inp, group, what, seq).wait()
         return
-    device = _control_device(group)  # no store for a control group: the records ride on the data group
+    device = _control_device(group)  # the group's first exchange: on the data group itself
     fn = _all_gather_single or dist.all_gather_into_tensor
     wire = out.to(device)
     _TimedWork(fn(wire, inp.to(device), group=group, async_op=True), "identity all-gather", inp, group, what,
                seq).wait()
     out.copy_(wire)
+    try:
+        _div.build_control_group(group, _timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a member that died just now: the same named error as a collective
+        message = _TimedWork(None, "identity check setup", inp, group, what, seq)._message(_timeout_s, exc)
+        _div.publish_failure(message)
+        raise CollectiveError(message) from exc
 
 
 class _TimedWork:

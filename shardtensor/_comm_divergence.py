@@ -158,31 +158,34 @@ _controls: dict = {}  # id(data group) -> (data group, its control group)
 _incarnations: dict = {}  # data group name -> control groups this process has built for that name
 
 
-def control_group(group, timeout_s: float):
-    """The gloo group that carries ``group``'s identity records (see [Note: the identity check]).
+def control_group(group):
+    """The gloo group that carries ``group``'s identity records once built (see [Note: the identity check]),
+    else None: the records then travel on ``group`` itself."""
+    hit = _controls.get(id(group) if group is not None else 0)
+    return hit[1] if hit is not None and hit[0] is group else None
+
+
+def build_control_group(group, timeout_s: float) -> None:
+    """Build ``group``'s control group, right after the group's first identity exchange completed.
 
     Why a second group: records sent on the data group queue behind the prefetches already in flight there, so
-    every check would wait for the previous gathers to finish and overlap would be lost.  Built straight from
-    the default store under a name derived from the data group's (which every member shares) on the first
-    check of that group, where every member arrives; not registered with c10d, whose names for new groups
-    depend on how many groups each process has already made.  Without a default store: the data group itself.
+    every check would wait for the gathers before it and overlap would be lost.  Why then: every member has
+    just completed the same exchange (the first one, on the data group, where a wait is watched by the stall
+    probes), so every member arrives here at once; a rank that diverged earlier never gets here.  Built straight
+    from the default store under a name derived from the data group's, which every member shares, and not
+    registered with c10d, whose names for new groups depend on how many groups each process has made.
     """
-    key = id(group) if group is not None else 0
-    hit = _controls.get(key)
-    if hit is not None and hit[0] is group:
-        return hit[1]
     store = _store()
+    if store is None:  # no default store (a custom launcher): the records stay on the data group
+        return
     pg = group if group is not None else dist.group.WORLD
-    if store is None:
-        return group
     name = getattr(pg, "group_name", "?")
     incarnation = _incarnations.get(name, 0)
     prefix = dist.PrefixStore(f"shardtensor/control/{name}/{incarnation}/", store)
     control = dist.ProcessGroupGloo(prefix, dist.get_rank(pg), dist.get_world_size(pg),
                                     datetime.timedelta(seconds=timeout_s))
     _incarnations[name] = incarnation + 1  # counted once built: a setup that timed out is retried under its name
-    _controls[key] = (group, control)
-    return control
+    _controls[id(group) if group is not None else 0] = (group, control)
 
 
 # ---------------------------------------------------------------------------------------------- identity check

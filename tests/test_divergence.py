@@ -166,7 +166,7 @@ def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False)
     # Once both ranks have raised, complete the identity exchange each left pending on its group's control
     # group, so the pool's ranks stay usable.
     dist.barrier()
-    other = _comm_divergence.control_group(groups[1 - dist.get_rank()], _comm.collective_timeout())
+    other = _comm_divergence.control_group(groups[1 - dist.get_rank()])
     other._allgather_base(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)).wait()
     for g in groups:
         dist.destroy_process_group(g)
@@ -177,6 +177,29 @@ def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False)
 def test_ranks_blocked_in_different_groups_raise_on_every_rank_in_seconds(mode):
     outcomes = run_on_ranks(2, models_on_two_groups_in_rank_order, mode, timeout=60)
     _assert_named_everywhere(outcomes, "blocked in a different collective", "'blocks.0.")
+
+
+def shard_module_on_different_groups() -> dict:
+    """Each rank shards its model over another group: the groups' first collectives (no control group exists
+    yet) must be named like any other, not wait out the 600 s timeout."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    out = _outcome(lambda: shardtensor.shard_module(_Blocks(1), group=groups[dist.get_rank()]))
+    dist.barrier()  # complete the exchange each rank left pending on the other's group
+    other = groups[1 - dist.get_rank()]
+    dist.all_gather_single(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), group=other)
+    for g in groups:
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_ranks_that_shard_over_different_groups_raise_on_every_rank_in_seconds():
+    for rank, out in enumerate(run_on_ranks(2, shard_module_on_different_groups, timeout=60)):
+        assert out["error"] == "DivergenceError" and "blocked in a different collective" in out["message"], (
+            rank, out["message"])
 
 
 def test_a_failure_the_ranks_went_on_from_is_not_taken_for_a_new_one():

@@ -198,6 +198,9 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
     check_materialized = _misuse.MaterializedCheck()
 
     def hook(module, args, kwargs):
+        if torch.compiler.is_compiling():  # a traced forward: no eager schedule (see _traced.py)
+            _traced_forward_checks(module, param_dtype)
+            return None
         _check_not_moved(owners, gatherer)
         check_materialized(module)  # a meta-device model must go through materialize() first
         if grad_sync is not None:
@@ -208,6 +211,15 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     return hook
+
+
+def _traced_forward_checks(module: nn.Module, param_dtype: Optional[torch.dtype]) -> None:
+    if param_dtype is not None:
+        raise NotImplementedError(
+            f"torch.compile of {type(module).__name__} sharded with param_dtype={param_dtype}: mixed precision "
+            "casts in the eager Gatherer, which compiled code does not run. Fix: shard without param_dtype to "
+            "compile, or run this model eagerly."
+        )
 
 
 def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, grad_sync: GradSync, handles: list,

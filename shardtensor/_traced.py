@@ -1,0 +1,79 @@
+"""The traced path: what an op on a ShardedParam becomes while torch.compile traces it.
+
+[Note: the traced path]
+Dynamo wraps a ShardedParam as a traceable tensor subclass (``__tensor_flatten__``): its shard is a fake tensor
+while Dynamo propagates shapes, and a functional fake tensor while AOTAutograd traces the forward and backward
+graphs through ``__torch_dispatch__``.  Our eager rules cannot run there (the Gatherer's Python scheduling, its
+identity-keyed buffers, blocking gloo collectives), so the dispatcher sends every op whose shard is fake here:
+
+  - views (``t``, ``view``, ``detach``...) stay views: a ShardedParam over the same shard, no gather;
+  - every other op gathers each ShardedParam it meets with a functional all-gather
+    (``torch.distributed._functional_collectives``), cuts the padding rows, replays the views and runs the op
+    on plain tensors.  The collective is a node of the graph, so the compiler schedules it (and, with
+    ``torch._inductor.config.reorder_for_compute_comm_overlap``, overlaps it with compute); the backward graph
+    gathers again where autograd's formulas read the parameter (``grad @ W``).
+
+The gradient of a parameter leaves the compiled backward whole (autograd's formulas see plain tensors) and is
+reduce-scattered to this rank's shard of the mean by the same gradient hook as in eager: hooks on leaves run in
+the autograd engine after the compiled backward, not in the graph, so they cost no graph break.  Local ops
+(shard-wise pointwise ops, the optimizer step) are not traced by ``torch.compile(model)``; a compiled function
+that runs them on real shards takes the eager rules.
+
+``gather="sequential"`` and ``"overlapped"`` are eager schedules: under compile both mean "whatever order the
+compiler gives the graph's collectives" (one all-gather per parameter read, placed by the scheduler).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+from ._layout import apply_views
+
+
+def _traced_shard(x: Any) -> bool:
+    local = getattr(x, "_local", None) if isinstance(x, torch.Tensor) else None
+    return local is not None and type(local) is not torch.Tensor and isinstance(local, (FakeTensor, FunctionalTensor))
+
+
+def is_traced(args: tuple) -> bool:
+    """Whether an op's arguments hold a ShardedParam whose shard is being traced (fake or functional)."""
+    for x in args:
+        if isinstance(x, (list, tuple)):
+            if any(_traced_shard(t) for t in x):
+                return True
+        elif _traced_shard(x):
+            return True
+    return False
+
+
+def traced_gather(param) -> torch.Tensor:
+    """The full tensor of ``param`` (views applied) as traced ops: a functional all-gather of the padded shard,
+    then the padding rows cut off.  Its result is an ordinary tensor of the graph."""
+    from . import _comm
+
+    layout = param._layout
+    full = _comm.functional_all_gather_rows(param._local, layout.group) if layout.world > 1 else param._local
+    return apply_views(full[: layout.shape[0]], param._views)
+
+
+def run_traced(func, args: tuple, kwargs: dict, rule: Callable) -> Any:
+    """``func`` on traced ShardedParams: views by their rule (no gather), everything else on gathered tensors."""
+    from ._dispatch import views
+    from ._dispatch._common import _map_args, _map_kwargs, _written_params
+    from .tensor import ShardedParam
+
+    if rule in (views._view, views._identity_view):
+        return rule(func, args, kwargs)
+    if _written_params(func, args, kwargs):
+        names = [p._name or tuple(p.shape) for p in _written_params(func, args, kwargs)]
+        raise NotImplementedError(
+            f"torch.compile: {func} writes into the ShardedParams {names} inside a compiled function; in-place "
+            "updates of sharded parameters run eagerly only. Fix: keep the optimizer step (and any in-place "
+            "parameter update) outside the compiled function."
+        )
+    swap = lambda x: traced_gather(x) if isinstance(x, ShardedParam) else x  # noqa: E731
+    return func(*_map_args(swap, args), **_map_kwargs(swap, kwargs))

@@ -125,3 +125,23 @@ def test_compiled_transformers_gpt2_fullgraph():
 
 def test_compiled_untied_gpt_inductor_sequential():
     _check(run_on_ranks(2, compile_case, 2, "untied", "sequential", "inductor"))
+
+
+def mixed_precision_case() -> str:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = shardtensor.shard_module(_gpt(True), param_dtype=torch.bfloat16)
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    try:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(idx)
+    except Exception as exc:  # noqa: BLE001 - Dynamo wraps the hook's NotImplementedError
+        return str(exc)
+    return "no error"
+
+
+def test_compiled_mixed_precision_refused_by_name():
+    """The eager Gatherer casts to param_dtype; the traced gather does not yet, so compile refuses, naming it
+    (not a silent float32 run)."""
+    for message in run_on_ranks(2, mixed_precision_case):
+        assert "param_dtype=torch.bfloat16" in message and "NotImplementedError" in message, message

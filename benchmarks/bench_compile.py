@@ -5,6 +5,8 @@ Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
   - ``st-eager-seq``:   ``shard_module(model, gather="sequential")``, eager;
   - ``st-compiled``:    ``torch.compile(shard_module(model), fullgraph=True)``: one graph, functional all-gathers
     in it (``gather=`` does not change the compiled graph: see shardtensor/_traced.py);
+  - ``st-compiled-bucketed``: the same with inductor's all-gather bucketing and compute/comm reordering on
+    (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``);
   - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe).
 
 Step time is the median of the timed steps (after ``--warmup`` steps, which include compilation); peak is the
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_peers import _memory_mark, _memory_peak  # noqa: E402
 from shardtensor.launch import spawn_ranks  # noqa: E402
 
-CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "fsdp2-compiled"]
+CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-bucketed", "fsdp2-compiled"]
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -56,7 +58,12 @@ def _build(config: str, model: torch.nn.Module, world: int):
 
     if config.startswith("st-"):
         shardtensor.shard_module(model, gather="sequential" if config == "st-eager-seq" else "overlapped")
-        run = torch.compile(model, fullgraph=True) if config == "st-compiled" else model
+        if config == "st-compiled-bucketed":
+            import torch._inductor.config as inductor_config
+
+            inductor_config.bucket_all_gathers_fx = "all"
+            inductor_config.reorder_for_compute_comm_overlap = True
+        run = torch.compile(model, fullgraph=True) if config.startswith("st-compiled") else model
         return model, run
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -106,6 +113,9 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
 def main(argv=None) -> dict:
     args = _parse(argv)
     rows = {}
+    if os.path.exists(args.out):  # a run of some configurations adds its rows to the file's others
+        with open(args.out) as f:
+            rows = json.load(f).get("rows", {})
     for config in args.configs:
         ranks = spawn_ranks(_worker, args.world, config, args, timeout=1800)
         rows[config] = {"step_s": max(r["step_s"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks),

@@ -32,7 +32,7 @@ compiler gives the graph's collectives" (one all-gather per parameter read, plac
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -65,22 +65,3 @@ def traced_gather(param) -> torch.Tensor:
     layout = param._layout
     full = _comm.functional_all_gather_rows(param._local, layout.group) if layout.world > 1 else param._local
     return apply_views(full[: layout.shape[0]], param._views)
-
-
-def run_traced(func, args: tuple, kwargs: dict, rule: Callable) -> Any:
-    """``func`` on traced ShardedParams: views by their rule (no gather), everything else on gathered tensors."""
-    from ._dispatch import views
-    from ._dispatch._common import _map_args, _map_kwargs, _written_params
-    from .tensor import ShardedParam
-
-    if rule in (views._view, views._identity_view):
-        return rule(func, args, kwargs)
-    if _written_params(func, args, kwargs):
-        names = [p._name or tuple(p.shape) for p in _written_params(func, args, kwargs)]
-        raise NotImplementedError(
-            f"torch.compile: {func} writes into the ShardedParams {names} inside a compiled function; in-place "
-            "updates of sharded parameters run eagerly only. Fix: keep the optimizer step (and any in-place "
-            "parameter update) outside the compiled function."
-        )
-    swap = lambda x: traced_gather(x) if isinstance(x, ShardedParam) else x  # noqa: E731
-    return func(*_map_args(swap, args), **_map_kwargs(swap, kwargs))

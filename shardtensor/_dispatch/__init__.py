@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .. import _traced
 from ..tensor import ShardedParam
-from . import reductions, sequential, views  # noqa: F401  (importing a rule module registers its rules)
+from . import reductions, sequential, traced, views  # noqa: F401  (importing a rule module registers its rules)
 from ._common import FAMILIES, TABLE, OpFamily, Rule, ShardedOpError, implements
 from .compute import compute
 from .local import _local
@@ -54,8 +53,8 @@ def _checked(rule: Rule) -> Rule:
         return rule
 
     def checked(func, args, kwargs, rule: Callable = rule):
-        if _traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
-            return _traced.run_traced(func, args, kwargs, rule)
+        if traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
+            return traced.run_traced(func, args, kwargs, rule)
         return rule(func, args, kwargs)
 
     return checked

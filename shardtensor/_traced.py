@@ -23,8 +23,8 @@ that runs them on real shards takes the eager rules.
 
 The eager forward hooks (the step hook, gather units) stand aside while Dynamo traces, and a gather unit
 takes no gradient it was not held for, so a compiled backward's gradients are reduced per parameter.
-Mixed precision is refused under compile: the cast to ``param_dtype`` lives in the eager Gatherer, and a traced
-ShardedParam (rebuilt by ``__tensor_unflatten__``) does not carry it.
+Mixed precision: the traced gather casts the shard to ``param_dtype`` before the collective, as the Gatherer
+does, and the step hook casts the root's floating inputs (both traced).
 
 ``gather="sequential"`` and ``"overlapped"`` are eager schedules: under compile both mean "whatever order the
 compiler gives the graph's collectives" (one all-gather per parameter read, placed by the scheduler).
@@ -32,13 +32,14 @@ compiler gives the graph's collectives" (one all-gather per parameter read, plac
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from ._layout import apply_views
+from ._layout import ShardLayout, apply_views
 
 
 def _traced_shard(x: Any) -> bool:
@@ -57,11 +58,33 @@ def is_traced(args: tuple) -> bool:
     return False
 
 
+# Mixed precision under compile: a traced ShardedParam is rebuilt by ``__tensor_unflatten__`` from its flatten
+# context, which holds the eager parameter's ShardLayout object itself but not its Gatherer.  shard_module records
+# each layout's ``param_dtype`` here (by identity; the entry goes when the layout does).
+_PARAM_DTYPES: dict[int, torch.dtype] = {}
+
+
+def record_param_dtype(layout: Any, dtype: Optional[torch.dtype]) -> None:
+    """Remember that gathers of ``layout``'s parameter cast to ``dtype`` (None: no cast)."""
+    if dtype is None or id(layout) in _PARAM_DTYPES:
+        return
+    _PARAM_DTYPES[id(layout)] = dtype
+    weakref.finalize(layout, _PARAM_DTYPES.pop, id(layout), None)
+
+
 def traced_gather(param) -> torch.Tensor:
     """The full tensor of ``param`` (views applied) as traced ops: a functional all-gather of the padded shard,
     then the padding rows cut off.  Its result is an ordinary tensor of the graph."""
     from . import _comm
 
     layout = param._layout
-    full = _comm.functional_all_gather_rows(param._local, layout.group) if layout.world > 1 else param._local
+    if type(layout) is not ShardLayout:
+        raise NotImplementedError(
+            f"torch.compile of ShardedParam {param._name!r} with a {type(layout).__name__}: only the dim-0 "
+            "placement has a traced gather. Fix: shard with placement='dim0' to compile, or run eagerly."
+        )
+    local, dtype = param._local, _PARAM_DTYPES.get(id(layout))
+    if dtype is not None and local.is_floating_point() and local.dtype != dtype:  # cast before the gather
+        local = local.to(dtype)
+    full = _comm.functional_all_gather_rows(local, layout.group) if layout.world > 1 else local
     return apply_views(full[: layout.shape[0]], param._views)

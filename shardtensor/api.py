@@ -11,6 +11,7 @@ from torch import nn
 from . import _comm, _misuse
 from ._layout import ShardLayout
 from ._full import gather_full
+from ._traced import record_param_dtype
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
 from .layerwise import OwnerReducer, owner_layouts
@@ -198,28 +199,17 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
     check_materialized = _misuse.MaterializedCheck()
 
     def hook(module, args, kwargs):
-        if torch.compiler.is_compiling():  # a traced forward: no eager schedule (see _traced.py)
-            _traced_forward_checks(module, param_dtype)
-            return None
-        _check_not_moved(owners, gatherer)
-        check_materialized(module)  # a meta-device model must go through materialize() first
-        if grad_sync is not None:
-            grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
-        gatherer.step_begin()
+        if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
+            _check_not_moved(owners, gatherer)
+            check_materialized(module)  # a meta-device model must go through materialize() first
+            if grad_sync is not None:
+                grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
+            gatherer.step_begin()
         if param_dtype is None:
             return None
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     return hook
-
-
-def _traced_forward_checks(module: nn.Module, param_dtype: Optional[torch.dtype]) -> None:
-    if param_dtype is not None:
-        raise NotImplementedError(
-            f"torch.compile of {type(module).__name__} sharded with param_dtype={param_dtype}: mixed precision "
-            "casts in the eager Gatherer, which compiled code does not run. Fix: shard without param_dtype to "
-            "compile, or run this model eagerly."
-        )
 
 
 def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, grad_sync: GradSync, handles: list,
@@ -238,6 +228,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
         else:
             local = layout.shard_of(param.detach())
     sharded = ShardedParam(local, layout, gatherer=gatherer, name=fqn)
+    record_param_dtype(layout, gatherer.param_dtype)  # the traced gather casts as the Gatherer does
     new = nn.Parameter(sharded, requires_grad=param.requires_grad)
     new._gatherer = gatherer
     new._name = fqn

@@ -127,21 +127,22 @@ def test_compiled_untied_gpt_inductor_sequential():
     _check(run_on_ranks(2, compile_case, 2, "untied", "sequential", "inductor"))
 
 
-def mixed_precision_case() -> str:
+
+def mixed_precision_case(world: int) -> tuple:
+    """bf16 compute (param_dtype): the traced gather casts before the collective as the eager Gatherer does."""
     import torch._dynamo
 
+    model, batches = _gpt(True), _batches(world)
+    eager = shardtensor.shard_module(copy.deepcopy(model), param_dtype=torch.bfloat16)
+    eager_result = _train(eager, eager, batches, sharded=True)
     torch._dynamo.reset()
-    model = shardtensor.shard_module(_gpt(True), param_dtype=torch.bfloat16)
-    idx = torch.zeros(2, 8, dtype=torch.long)
-    try:
-        torch.compile(model, backend="aot_eager", fullgraph=True)(idx)
-    except Exception as exc:  # noqa: BLE001 - Dynamo wraps the hook's NotImplementedError
-        return str(exc)
-    return "no error"
+    sharded = shardtensor.shard_module(model, param_dtype=torch.bfloat16)
+    result = _train(sharded, torch.compile(sharded, backend="aot_eager", fullgraph=True), batches, sharded=True)
+    float32 = _train(*[shardtensor.shard_module(_gpt(True))] * 2, batches, sharded=True)
+    return result, eager_result, float32
 
 
-def test_compiled_mixed_precision_refused_by_name():
-    """The eager Gatherer casts to param_dtype; the traced gather does not yet, so compile refuses, naming it
-    (not a silent float32 run)."""
-    for message in run_on_ranks(2, mixed_precision_case):
-        assert "param_dtype=torch.bfloat16" in message and "NotImplementedError" in message, message
+def test_compiled_mixed_precision_equals_eager_mixed_precision():
+    for result, eager, float32 in run_on_ranks(2, mixed_precision_case, 2):
+        _assert_same(result, eager, 1e-3)
+        assert result[0] != pytest.approx(float32[0], abs=1e-5)  # it did compute in bf16

@@ -398,3 +398,11 @@ def device_mesh(group: ProcessGroup, device_type: str):
 
         mesh = _meshes[key] = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
     return mesh
+
+
+def functional_all_gather_rows(local: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """``all_gather_rows`` as a functional collective, for code that torch.compile traces (the gather becomes a
+    node of the graph, scheduled by the compiler): the ``(world * rows, ...)`` buffer, rows in rank order."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_gather_tensor(local.contiguous(), 0, group if group is not None else dist.group.WORLD)

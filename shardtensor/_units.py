@@ -308,7 +308,7 @@ class UnitSet:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to
         AccumulateGrad (the reduced shard is added to ``.grad`` later).  None: not a unit parameter."""
         found = self.of_param.get(id(param))
-        if found is None:
+        if found is None or found[0].backward_holds == 0:  # not held: a compiled backward (or unused unit)
             return None
         unit, position = found
         self._queue_end_of_backward()
@@ -318,6 +318,8 @@ class UnitSet:
 
     def _pre_forward(self, unit: _Unit):
         def hook(module, args, kwargs):
+            if torch.compiler.is_compiling():  # traced gathers instead (see _traced.py)
+                return None
             unit.hold()
             self._prefetch_after(unit, +1)
             if not torch.is_grad_enabled():
@@ -333,6 +335,8 @@ class UnitSet:
 
     def _post_forward(self, unit: _Unit):
         def hook(module, args, output):
+            if torch.compiler.is_compiling():
+                return None
             unit.unhold()
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
@@ -368,6 +372,8 @@ class UnitSet:
 
     def step_begin(self, *args) -> None:
         """Root forward: prefetches nobody used (the order changed) are completed and dropped."""
+        if torch.compiler.is_compiling():
+            return
         for unit in self.units:
             unit.drop_prefetch()
 

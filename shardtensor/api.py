@@ -11,6 +11,7 @@ from torch import nn
 from . import _comm, _misuse
 from ._layout import ShardLayout
 from ._full import gather_full
+from ._traced import record_param_dtype
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
 from .layerwise import OwnerReducer, owner_layouts
@@ -198,11 +199,12 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
     check_materialized = _misuse.MaterializedCheck()
 
     def hook(module, args, kwargs):
-        _check_not_moved(owners, gatherer)
-        check_materialized(module)  # a meta-device model must go through materialize() first
-        if grad_sync is not None:
-            grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
-        gatherer.step_begin()
+        if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
+            _check_not_moved(owners, gatherer)
+            check_materialized(module)  # a meta-device model must go through materialize() first
+            if grad_sync is not None:
+                grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
+            gatherer.step_begin()
         if param_dtype is None:
             return None
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
@@ -226,6 +228,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
         else:
             local = layout.shard_of(param.detach())
     sharded = ShardedParam(local, layout, gatherer=gatherer, name=fqn)
+    record_param_dtype(layout, gatherer.param_dtype)  # the traced gather casts as the Gatherer does
     new = nn.Parameter(sharded, requires_grad=param.requires_grad)
     new._gatherer = gatherer
     new._name = fqn

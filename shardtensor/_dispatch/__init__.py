@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .. import _compile
 from ..tensor import ShardedParam
-from . import reductions, sequential, views  # noqa: F401  (importing a rule module registers its rules)
+from . import reductions, sequential, traced, views  # noqa: F401  (importing a rule module registers its rules)
 from ._common import FAMILIES, TABLE, OpFamily, Rule, ShardedOpError, implements
 from .compute import compute
 from .local import _local
@@ -48,13 +47,14 @@ def rule_for(func) -> Rule:
 
 
 def _checked(rule: Rule) -> Rule:
-    """``rule`` behind the torch.compile check (see [Note: torch.compile] in _compile.py).  The local rule makes
+    """``rule`` behind the torch.compile check (see [Note: the traced path] in _traced.py).  The local rule makes
     the check itself, after its fast path: a pointwise op on real shards (hundreds per optimizer step) skips it."""
     if rule is _local:
         return rule
 
     def checked(func, args, kwargs, rule: Callable = rule):
-        _compile.break_graph_if_traced(func, args)
+        if traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
+            return traced.run_traced(func, args, kwargs, rule)
         return rule(func, args, kwargs)
 
     return checked

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import _compile
 from .._full import gather_full
 from ..tensor import ShardedParam
 from ._common import (
@@ -25,6 +24,7 @@ from ._common import (
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse
+from . import traced
 
 POINTWISE = OpFamily("pointwise", lambda func: torch.Tag.pointwise in func.tags)
 FOREACH = OpFamily("foreach", lambda func: func.overloadpacket.__name__.startswith("_foreach_"))
@@ -127,7 +127,8 @@ def _local(func, args, kwargs):
                 and (not written or (written == ((0, "self"),) and args[0] is first)):
             out = func(*locals_, **kwargs)
             return args[0] if written else _wrap_like(first, out)
-    _compile.break_graph_if_traced(func, args)  # torch.compile: see [Note: torch.compile] in _compile.py
+    if traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
+        return traced.run_traced(func, args, kwargs, _local)
     params = _params_in(args, kwargs)
     written_params = _written_params(func, args, kwargs)
     writes_shard = bool(written_params)

@@ -1,0 +1,133 @@
+"""torch.compile row: compiled sharded vs eager sharded vs FSDP2 with per-block compile, same GPT, same run.
+
+Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
+  - ``st-eager``:       ``shard_module(model)`` (overlapped gathers), eager;
+  - ``st-eager-seq``:   ``shard_module(model, gather="sequential")``, eager;
+  - ``st-compiled``:    ``torch.compile(shard_module(model), fullgraph=True)``: one graph, functional all-gathers
+    in it (``gather=`` does not change the compiled graph: see shardtensor/_traced.py);
+  - ``st-compiled-bucketed``: the same with inductor's all-gather bucketing and compute/comm reordering on
+    (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``);
+  - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe).
+
+Step time is the median of the timed steps (after ``--warmup`` steps, which include compilation); peak is the
+process's peak RSS growth over the mark taken before the model is built (CPU: includes compiler memory).
+
+    python benchmarks/bench_compile.py [--dim 256 --layers 2 ...]   # writes benchmarks/results/compile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_peers import _memory_mark, _memory_peak  # noqa: E402
+from shardtensor.launch import spawn_ranks  # noqa: E402
+
+CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-bucketed", "fsdp2-compiled"]
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation happens here)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compile.json"))
+    return p.parse_args(argv)
+
+
+def _build(config: str, model: torch.nn.Module, world: int):
+    """(module whose parameters the optimizer steps, callable that runs the forward)."""
+    import shardtensor
+
+    if config.startswith("st-"):
+        shardtensor.shard_module(model, gather="sequential" if config == "st-eager-seq" else "overlapped")
+        if config == "st-compiled-bucketed":
+            import torch._inductor.config as inductor_config
+
+            inductor_config.bucket_all_gathers_fx = "all"
+            inductor_config.reorder_for_compute_comm_overlap = True
+        run = torch.compile(model, fullgraph=True) if config.startswith("st-compiled") else model
+        return model, run
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh)
+        model.blocks[i] = torch.compile(block)
+    fully_shard(model, mesh=mesh)
+    return model, model
+
+
+def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+
+    from shardtensor.models import GPT, GPTConfig, get_batch, synthetic_corpus
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        corpus = synthetic_corpus(20_000, args.vocab, seed=0)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        base = _memory_mark(torch.device("cpu"))
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers,
+                              n_head=args.heads, n_embd=args.dim))
+        model, run = _build(config, model, world)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        times, losses = [], []
+        for _ in range(args.warmup + args.steps):
+            x, y = get_batch(corpus, args.batch, args.block, gen)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = run(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+        return {"config": config, "rank": rank, "step_s": statistics.median(times[args.warmup:]),
+                "first_steps_s": times[: args.warmup], "losses": losses,
+                "peak_mib": (_memory_peak(torch.device("cpu")) - base) / 2**20}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    rows = {}
+    if os.path.exists(args.out):  # a run of some configurations adds its rows to the file's others
+        with open(args.out) as f:
+            rows = json.load(f).get("rows", {})
+    for config in args.configs:
+        ranks = spawn_ranks(_worker, args.world, config, args, timeout=1800)
+        rows[config] = {"step_s": max(r["step_s"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks),
+                        "warmup_s": max(sum(r["first_steps_s"]) for r in ranks), "losses_rank0": ranks[0]["losses"]}
+        print(f"{config:15s} step {rows[config]['step_s'] * 1e3:8.1f} ms  peak {rows[config]['peak_mib']:7.1f} MiB"
+              f"  warmup+compile {rows[config]['warmup_s']:6.1f} s", flush=True)
+    result = {"args": vars(args), "load_avg": os.getloadavg(), "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -373,36 +373,5 @@ def barrier(group: ProcessGroup = None, *, label: str = "") -> None:
         _issued(dist.barrier(group=group, async_op=True), "barrier", probe, group, False, label, seq)
 
 
-# ---------------------------------------------------------------------------------------------- DTensor meshes
-_meshes: dict = {}
-
-
-def default_group_or(group: ProcessGroup) -> ProcessGroup:
-    """``None`` for the default group (how ``ShardLayout`` names it), else ``group`` itself."""
-    if group is None or (is_distributed() and group == dist.group.WORLD):
-        return None
-    return group
-
-
-def device_mesh(group: ProcessGroup, device_type: str):
-    """A 1-d ``DeviceMesh`` over ``group`` (cached), for ``ShardedParam.to_dtensor``.  Creates no communicator."""
-    if not is_distributed():
-        raise RuntimeError(
-            "to_dtensor needs an initialised process group, even for one process: "
-            "torch.distributed.init_process_group(...) first (DTensor has no single-process mode)"
-        )
-    key = (id(group), device_type)
-    mesh = _meshes.get(key)
-    if mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = _meshes[key] = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
-    return mesh
-
-
-def functional_all_gather_rows(local: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
-    """``all_gather_rows`` as a functional collective, for code that torch.compile traces (the gather becomes a
-    node of the graph, scheduled by the compiler): the ``(world * rows, ...)`` buffer, rows in rank order."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.all_gather_tensor(local.contiguous(), 0, group if group is not None else dist.group.WORLD)
+# DTensor meshes and functional collectives (torch's own distributed tensors): in ``_comm_mesh``.
+from ._comm_mesh import default_group_or, device_mesh, functional_all_gather_rows  # noqa: E402,F401

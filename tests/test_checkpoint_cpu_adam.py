@@ -110,8 +110,10 @@ def test_cpu_adam_checkpoint_resumes_bit_identically(tmp_path, kind, dtype):
 
 
 def test_cpu_adam_checkpoint_reshards_2_to_1(tmp_path):
+    """world 2 -> 1: the one rank gets every rank's rows of the moments (and the parameters), bit-exactly.  (Not
+    the step after: worlds 1 and 2 differ by ulps in their gradients' reduction, checkpoint or not.)"""
     path = str(tmp_path / "ckpt")
     saved = run_on_ranks(2, cpu_adam_case, path, "save", "cpu_adam", torch.float32)
     (loaded,) = run_on_ranks(1, cpu_adam_case, path, "load", "cpu_adam", torch.float32)
+    assert loaded["lr"] == 1e-2
     _assert_equal(_full([loaded], "before"), _full(saved, "before"), "world 1 after load")
-    _assert_equal(_full([loaded], "after"), _full(saved, "after"), "world 1 after the next step")

@@ -152,6 +152,12 @@ def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *
     step also counts (Adam's ``step`` becomes 1, changing its next bias correction), so unless the state is made
     to be loaded into, it is dropped again: saving never changes how training continues.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):  # e.g. optim.Muon: per-rank inner optimizers
+        raise CheckpointError(
+            f"checkpoint: {type(optimizer).__name__} is not a torch.optim.Optimizer over the module's parameters, "
+            "so its state cannot be saved as the module's (each rank holds its own part). Fix: save_checkpoint("
+            "path, model) for the model, and torch.save(optimizer.state_dict()) per rank beside it, loaded at the "
+            "same world size and placement")
     names = {id(p) for p in module.parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -14,6 +14,7 @@ from torch import nn
 
 import shardtensor
 from rank_pool import run_on_ranks
+from shardtensor.checkpoint_files import CheckpointError
 from shardtensor.optim.cpu_adam import CPUAdam
 
 
@@ -117,3 +118,48 @@ def test_cpu_adam_checkpoint_reshards_2_to_1(tmp_path):
     (loaded,) = run_on_ranks(1, cpu_adam_case, path, "load", "cpu_adam", torch.float32)
     assert loaded["lr"] == 1e-2
     _assert_equal(_full([loaded], "before"), _full(saved, "before"), "world 1 after load")
+
+
+class _PerRankState(torch.optim.Optimizer):
+    """State that depends on the shard but is not shaped like it: per-row statistics ("rows"), or a per-rank
+    scalar ("scalar").  Neither can be saved as the parameter's shards nor as a replicated tensor."""
+
+    def __init__(self, params, which: str):
+        self.which = which
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                local = p.to_local()
+                rows = local.reshape(local.shape[0], -1).square().sum(1)
+                self.state[p]["stat"] = rows if self.which == "rows" else rows.sum()
+
+
+def refusal_case(path: str, which: str) -> str:
+    placement = "layerwise" if which == "muon" else "dim0"
+    model = shardtensor.shard_module(_model(0, torch.float32), placement=placement)
+    if which == "muon":
+        from shardtensor.optim import Muon
+
+        opt = Muon(model)
+    else:
+        opt = _PerRankState(model.parameters(), which)
+    _train(model, opt, 1, 0, torch.float32)
+    try:
+        shardtensor.save_checkpoint(path, model, opt)
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+@pytest.mark.parametrize("which,name", [("muon", "Muon"), ("rows", "_PerRankState"), ("scalar", "_PerRankState")])
+def test_per_rank_optimizer_state_that_cannot_round_trip_is_refused_at_save(tmp_path, which, name):
+    """Muon (each rank's own inner optimizers), shard-dependent state of another shape, and a plain tensor that
+    differs between ranks: save_checkpoint raises on every rank, naming the optimizer and a fix, and writes
+    nothing (DCP would keep one rank's copy and load it into all)."""
+    path = str(tmp_path / "ckpt")
+    for message in run_on_ranks(2, refusal_case, path, which):
+        assert name in message and "Fix" in message, message
+    assert not os.path.exists(os.path.join(path, ".metadata"))

@@ -12,8 +12,10 @@ module's and optimizer's own ShardedParams, and a ShardedParam speaks DCP's prot
 ``Shard(0)`` DTensor ``to_dtensor()`` gives over this rank's valid rows (a view, no copy).  So DCP saves exactly
 the unpadded rows and, on load, copies the overlapping rows of whatever ranks saved into the shards in place:
 resharding W -> W' is DCP's, and bit-exact (rows are copied, never recomputed).  Replicated scalars (Adam's
-``step``) are saved once.  A user's own ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict``
-works the same way on a sharded model.
+``step``) are saved once; per-rank state shaped like the local shard (CPUAdam's moments) is saved as shards too
+(see [Note: per-rank optimizer state]).  A user's own ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` +
+``set_state_dict`` works the same way on a sharded model with a torch optimizer, but not with CPUAdam: torch's
+helpers hand its per-rank moments to DCP as replicated tensors (use ``save_checkpoint`` / ``load_checkpoint``).
 
 Loads are all-or-nothing: see [Note: all-or-nothing loads] in ``checkpoint_verify.py``.
 """

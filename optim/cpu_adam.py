@@ -373,17 +373,17 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load, then re-home every state tensor on the CPU in fp32 (the base class casts to the param's device)."""
+        """Load; state re-homed on the CPU in fp32 from the given tensors (the base class casts to a bf16 param's)."""
         self._abandon_speculation()
         self._store.reset()
+        given = dict(zip((id(p) for g in self.param_groups for p in g["params"]),
+                         (state_dict["state"].get(i, {}) for g in state_dict["param_groups"] for i in g["params"])))
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
-            local = local_of(p)
             for key in (*MOMENTS, "master"):
                 if key in state:
-                    host = torch.empty(local.shape, dtype=torch.float32, pin_memory=self._pinned)
-                    host.copy_(state[key])
-                    state[key] = host
+                    state[key] = torch.empty(local_of(p).shape, dtype=torch.float32, pin_memory=self._pinned).copy_(
+                        given.get(id(p), {}).get(key, state[key]))
             state["step"] = torch.tensor(float(state.get("step", 0)))
         self._slots.clear()
         self._groups_by_id = None

@@ -12,8 +12,10 @@ module's and optimizer's own ShardedParams, and a ShardedParam speaks DCP's prot
 ``Shard(0)`` DTensor ``to_dtensor()`` gives over this rank's valid rows (a view, no copy).  So DCP saves exactly
 the unpadded rows and, on load, copies the overlapping rows of whatever ranks saved into the shards in place:
 resharding W -> W' is DCP's, and bit-exact (rows are copied, never recomputed).  Replicated scalars (Adam's
-``step``) are saved once.  A user's own ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict``
-works the same way on a sharded model.
+``step``) are saved once; per-rank state shaped like the local shard (CPUAdam's moments) is saved as shards too
+(see [Note: per-rank optimizer state]).  A user's own ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` +
+``set_state_dict`` works the same way on a sharded model with a torch optimizer, but not with CPUAdam: torch's
+helpers hand its per-rank moments to DCP as replicated tensors (use ``save_checkpoint`` / ``load_checkpoint``).
 
 Loads are all-or-nothing: see [Note: all-or-nothing loads] in ``checkpoint_verify.py``.
 """
@@ -67,6 +69,81 @@ def _as_dtensors(state: dict) -> dict:
     return tree_map_only(ShardedParam, lambda t: t.to_dtensor(), state)
 
 
+# [Note: per-rank optimizer state]
+# Optimizers that step ``p.to_local()`` (CPUAdam, NVMeCPUAdam) keep their state (exp_avg, exp_avg_sq, an fp32
+# master) as plain tensors of the local shard's shape, one per rank.  DCP takes a plain tensor for a replicated
+# one: it would save one rank's copy and load it into every rank (silently wrong moments), or fail on shape at
+# another world size.  So such a value is presented to DCP as a ShardedParam over its parameter's layout (a
+# wrapper, no copy): it is saved and resharded exactly like the parameter, and loaded in place into the plain
+# tensor, which the optimizer gets back unwrapped (its padding rows zeroed, as a fresh shard's are).  Any other
+# plain tensor in the state must be the same on every rank (a 0-d ``step``, a full-shape copy): save checks
+# that with one exchange of hashes, and a plain tensor of any other shape beside a sharded parameter is refused,
+# naming the optimizer: DCP could not tell whose rows it holds.
+def _present_shards(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict, list]:
+    """``state`` with the plain shard-shaped tensors of ShardedParam parameters wrapped as ShardedParams (new
+    per-parameter dicts: torch's state dict shares the optimizer's live ones), and the wrappers."""
+    wrapped: list[ShardedParam] = []
+    for group, names in zip(optimizer.param_groups, (g["params"] for g in state["param_groups"])):
+        for param, fqn in zip(group["params"], names):
+            values = state["state"].get(fqn)
+            if not isinstance(param, ShardedParam) or not values:
+                continue
+            state["state"][fqn] = values = dict(values)
+            for key, value in values.items():
+                if type(value) is not torch.Tensor:
+                    continue  # a ShardedParam / DTensor of its own, or not a tensor
+                if value.shape != param.to_local().shape:  # (first: at world 1 it is also the full shape)
+                    if value.dim() == 0 or value.shape == param.shape:
+                        continue  # replicated (checked on save)
+                    raise CheckpointError(
+                        f"checkpoint: {type(optimizer).__name__} state {fqn}.{key} is a plain tensor of shape "
+                        f"{tuple(value.shape)} beside the sharded parameter {fqn} {tuple(param.shape)} (local shard "
+                        f"{tuple(param.to_local().shape)}): DCP cannot tell whose rows it holds. Fix: keep per-shard "
+                        "state in tensors of the local shard's shape (saved as shards) or as ShardedParams, or save "
+                        "the optimizer's state_dict() per rank with torch.save and load it at the same world size")
+                values[key] = ShardedParam(value, param.shard_layout, name=f"{fqn}.{key}")
+                wrapped.append(values[key])
+    return state, wrapped
+
+
+def _unwrap_shards(state: dict, wrapped: list) -> dict:
+    """The plain tensors back in place of the wrappers (after ``dcp.load`` wrote their valid rows)."""
+    ids = {id(t) for t in wrapped}
+    for t in wrapped:
+        t._local[t.shard_layout.valid_rows:].zero_()
+    per_param = {fqn: {k: v._local if id(v) in ids else v for k, v in values.items()}
+                 for fqn, values in state["state"].items()}
+    return {**state, "state": per_param}
+
+
+def _replicated_fingerprints(state: dict) -> dict:
+    """Hash of every plain tensor of the optimizer state that DCP saves once, taking it for replicated."""
+    import hashlib
+
+    out = {}
+    for fqn, values in state["state"].items():
+        for key, value in values.items():
+            if type(value) is torch.Tensor:
+                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                out[f"{fqn}.{key}"] = (tuple(value.shape), str(value.dtype), hashlib.blake2b(data).hexdigest())
+    return out
+
+
+def _check_replicated(optimizer, state: dict, error: str, group) -> None:
+    """Raise on every rank when any rank failed, or when a plain state tensor differs between ranks."""
+    mine = (error, {} if error else _replicated_fingerprints(state))
+    verdicts = _comm.all_gather_object(mine, group, label="save_checkpoint (checking replicated optimizer state)")
+    errors = [e for e, _ in verdicts if e]
+    if errors:
+        raise CheckpointError("save_checkpoint: nothing was saved: " + " | ".join(dict.fromkeys(errors)))
+    for key, value in verdicts[0][1].items():
+        if any(other.get(key) != value for _, other in verdicts[1:]):
+            raise CheckpointError(
+                f"save_checkpoint: {type(optimizer).__name__} state {key} is a plain tensor that differs between "
+                "ranks; DCP would save one rank's copy and load it into all. Fix: keep per-shard state in "
+                "tensors of the parameter's local shard shape (saved as shards) or as ShardedParams")
+
+
 def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *, to_load_into: bool) -> dict:
     """``get_optimizer_state_dict``, with two of its habits kept from reaching the caller.
 
@@ -77,6 +154,12 @@ def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *
     step also counts (Adam's ``step`` becomes 1, changing its next bias correction), so unless the state is made
     to be loaded into, it is dropped again: saving never changes how training continues.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):  # e.g. optim.Muon: per-rank inner optimizers
+        raise CheckpointError(
+            f"checkpoint: {type(optimizer).__name__} is not a torch.optim.Optimizer over the module's parameters, "
+            "so its state cannot be saved as the module's (each rank holds its own part). Fix: save_checkpoint("
+            "path, model) for the model, and torch.save(optimizer.state_dict()) per rank beside it, loaded at the "
+            "same world size and placement")
     names = {id(p) for p in module.parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -125,11 +208,17 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     """
     import torch.distributed.checkpoint as dcp
 
+    group, directory = _group(module), Path(path)
     state = {_MODEL: get_model_state_dict(module)}  # ShardedParams: DCP saves their rows (see the Note above)
     if optimizer is not None:
-        state[_OPTIM] = _optimizer_state_dict(module, optimizer, to_load_into=False)
+        error = ""
+        try:
+            state[_OPTIM], _ = _present_shards(optimizer, _optimizer_state_dict(module, optimizer,
+                                                                                      to_load_into=False))
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
+            error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
+        _check_replicated(optimizer, state.get(_OPTIM, {}), error, group)
     _dcp(lambda: dcp.save(state, checkpoint_id=os.fspath(path)), "save", path)
-    group, directory = _group(module), Path(path)
     rank, world = _comm.rank(group), _comm.world_size(group)
     mine = file_records(directory, read_metadata_unverified(directory), rank, world)  # each file hashed once
     files: dict = {}
@@ -164,7 +253,8 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
         state = {_MODEL: get_model_state_dict(module)}  # the module's own tensors: dcp.load fills them in place
         if optimizer is not None:
             # A fresh optimizer gets zero state to load into (undone below if the load is refused).
-            state[_OPTIM] = _optimizer_state_dict(module, optimizer, to_load_into=True)
+            state[_OPTIM], wrapped = _present_shards(optimizer,
+                                                     _optimizer_state_dict(module, optimizer, to_load_into=True))
             _check_param_groups(metadata, optimizer)
         _check_against_metadata(metadata, state, strict)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
@@ -180,7 +270,8 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     # the checkpoint or here, and that is no reason to fail half way through a load.
     set_model_state_dict(module, state[_MODEL])
     if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state[_OPTIM], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(module, optimizer, _unwrap_shards(state[_OPTIM], wrapped),
+                                 options=StateDictOptions(strict=False))
 
 
 def _check_param_groups(metadata, optimizer: torch.optim.Optimizer) -> None:

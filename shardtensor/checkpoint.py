@@ -60,9 +60,11 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     """``get_optimizer_state_dict(module, optimizer)``, ShardedParam states as DTensors (no copy).
 
     ``{"state": {name: {"exp_avg": DTensor, "step": tensor, ...}}, "param_groups": [{..., "params": [names]}]}``
-    An optimizer that has not stepped yet gives no state and is left as it was.
+    An optimizer that has not stepped yet gives no state and is left as it was.  Per-rank state of the local
+    shard's shape (CPUAdam's moments) comes as DTensors too (see [Note: per-rank optimizer state]).
     """
-    return _as_dtensors(_optimizer_state_dict(module, optimizer, to_load_into=False))
+    state = _optimizer_state_dict(module, optimizer, to_load_into=False)
+    return _as_dtensors(_present_shards(optimizer, state)[0] if state["state"] else state)
 
 
 def _as_dtensors(state: dict) -> dict:

@@ -163,3 +163,22 @@ def test_per_rank_optimizer_state_that_cannot_round_trip_is_refused_at_save(tmp_
     for message in run_on_ranks(2, refusal_case, path, which):
         assert name in message and "Fix" in message, message
     assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def public_state_dict_case() -> dict:
+    """What ``sharded_optimizer_state_dict`` hands to DCP for CPUAdam's per-rank moments."""
+    from torch.distributed.tensor import DTensor
+
+    model = shardtensor.shard_module(_model(0, torch.float32))
+    opt = CPUAdam(model.parameters(), lr=1e-2, speculative=False)
+    _train(model, opt, 1, 0, torch.float32)
+    state = shardtensor.sharded_optimizer_state_dict(model, opt)["state"]
+    params = dict(model.named_parameters())
+    return {f"{fqn}.{key}": (isinstance(v, DTensor), tuple(v.shape) == tuple(params[fqn].shape))
+            for fqn, values in state.items() for key, v in values.items() if key != "step"}
+
+
+def test_the_public_optimizer_state_dict_gives_cpu_adam_moments_as_shards():
+    # a plain per-rank tensor would reach DCP as replicated: one rank's moments saved for everyone
+    for rank_out in run_on_ranks(2, public_state_dict_case):
+        assert rank_out and all(is_d and full for is_d, full in rank_out.values()), rank_out

@@ -303,7 +303,8 @@ def wait_watched(work, seconds: float, group, pos: _Position, what: str) -> None
         if time.monotonic() >= deadline or not _timed_out(exc):
             raise
     store = _store()
-    mine = {"state": "waiting", "group": pos.tag, "seq": pos.seq, "label": what, "since": time.time(), "probe": 0}
+    mine = {"state": "waiting", "group": pos.tag, "seq": pos.seq, "label": what, "since": time.time(), "probe": 0,
+            "ranks": dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)}
     seen: dict = {}
     warned_at = 0.0
     while True:
@@ -339,7 +340,12 @@ def _waits_on_me(rec: dict, mine: dict) -> bool:
     (a rank waiting in a group this rank is not in may be waiting for a third, slow rank: no proof)."""
     if rec["group"] == mine["group"]:
         return (rec["seq"], rec["label"]) != (mine["seq"], mine["label"])
-    return any(pos.tag == rec["group"] and pos.seq < rec["seq"] for pos in list(_positions.values()))
+    if dist.get_rank() not in rec.get("ranks", ()):
+        return False
+    # This rank's count there (the newest group under that name; 0 if it never used the group): a member that has
+    # not issued the collective the other waits at.
+    issued = [pos.seq for pos in list(_positions.values()) if pos.tag == rec["group"]]
+    return (issued[-1] if issued else 0) < rec["seq"]
 
 
 def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:

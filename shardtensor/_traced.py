@@ -39,6 +39,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from . import _comm
 from ._layout import ShardLayout, apply_views
 
 
@@ -75,8 +76,6 @@ def record_param_dtype(layout: Any, dtype: Optional[torch.dtype]) -> None:
 def traced_gather(param) -> torch.Tensor:
     """The full tensor of ``param`` (views applied) as traced ops: a functional all-gather of the padded shard,
     then the padding rows cut off.  Its result is an ordinary tensor of the graph."""
-    from . import _comm
-
     layout = param._layout
     if type(layout) is not ShardLayout:
         raise NotImplementedError(

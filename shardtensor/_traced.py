@@ -73,6 +73,11 @@ def record_param_dtype(layout: Any, dtype: Optional[torch.dtype]) -> None:
     weakref.finalize(layout, _PARAM_DTYPES.pop, id(layout), None)
 
 
+def param_dtype_of(layout: Any) -> Optional[torch.dtype]:
+    """The dtype gathers of ``layout``'s parameter cast to (None: no cast)."""
+    return _PARAM_DTYPES.get(id(layout))
+
+
 def traced_gather(param) -> torch.Tensor:
     """The full tensor of ``param`` (views applied) as traced ops: a functional all-gather of the padded shard,
     then the padding rows cut off.  Its result is an ordinary tensor of the graph."""

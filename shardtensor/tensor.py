@@ -254,6 +254,25 @@ class ShardedParam(torch.Tensor):
         layout, views, name = ctx
         return ShardedParam(inner_tensors["_local"], layout, views=views, name=name)
 
+    def _stable_hash_for_caching(self) -> str:
+        """The key AOTAutograd's cache files a compiled graph under: everything the traced path reads (global and
+        local geometry, the group, the views, the gather's cast), and nothing that varies between processes of
+        one job (object ids).  Without it torch warns, and its default key pickles the process group."""
+        import hashlib
+
+        from ._traced import param_dtype_of
+
+        layout, local = self._layout, self._local
+        key = (
+            type(layout).__name__, tuple(self.shape), str(self.dtype), self.requires_grad,
+            tuple(local.shape), tuple(local.stride()), str(local.dtype), str(local.device),
+            tuple(getattr(layout, "shape", ())), getattr(layout, "rows_per_rank", None),
+            getattr(layout, "rank", None), getattr(layout, "world", None),
+            str(getattr(getattr(layout, "group", None), "group_name", "default")),
+            repr(self._views), str(param_dtype_of(layout)),
+        )
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
 
 def _declare_foreach_support() -> None:
     """List ShardedParam where torch decides between foreach and per-tensor code, as DTensor does for itself:

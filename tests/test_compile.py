@@ -146,3 +146,21 @@ def test_compiled_mixed_precision_equals_eager_mixed_precision():
     for result, eager, float32 in run_on_ranks(2, mixed_precision_case, 2):
         _assert_same(result, eager, 1e-3)
         assert result[0] != pytest.approx(float32[0], abs=1e-5)  # it did compute in bf16
+
+
+def cache_key_case(world: int) -> list[bool]:
+    """AOTAutograd's cache key: equal for equal parameters of two models, different where the graph would be."""
+    one = shardtensor.shard_module(_gpt(False))
+    two = shardtensor.shard_module(_gpt(False))
+    bf16 = shardtensor.shard_module(_gpt(False), param_dtype=torch.bfloat16)
+    w1, w2, w3 = one.wte.weight, two.wte.weight, bf16.wte.weight
+    key = w1._stable_hash_for_caching()
+    return [key == w2._stable_hash_for_caching(),             # no object ids in the key: stable across processes
+            key != w1.t()._stable_hash_for_caching(),          # a view traces other ops
+            key != w3._stable_hash_for_caching(),              # the gather casts to bf16
+            key != one.blocks[0].attn.qkv.weight._stable_hash_for_caching()]
+
+
+def test_cache_key_is_stable_and_tells_graphs_apart():
+    for checks in run_on_ranks(2, cache_key_case, 2):
+        assert all(checks), checks

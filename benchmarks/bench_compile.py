@@ -7,7 +7,9 @@ Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
     in it (``gather=`` does not change the compiled graph: see shardtensor/_traced.py);
   - ``st-compiled-bucketed``: the same with inductor's all-gather bucketing and compute/comm reordering on
     (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``);
-  - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe).
+  - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe);
+  - ``local-eager`` / ``local-compiled``: the unsharded model on every rank, no collective at all: the floor, and
+    what compiling gains on the compute alone (on a CPU whose step is mostly matmuls: little).
 
 Step time is the median of the timed steps (after ``--warmup`` steps, which include compilation); peak is the
 process's peak RSS growth over the mark taken before the model is built (CPU: includes compiler memory).
@@ -33,21 +35,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_peers import _memory_mark, _memory_peak  # noqa: E402
 from shardtensor.launch import spawn_ranks  # noqa: E402
 
-CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-bucketed", "fsdp2-compiled"]
+CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-bucketed", "fsdp2-compiled", "local-eager",
+           "local-compiled"]
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--block", type=int, default=64)
+    # The GPT of bench_peers.py (10.3M parameters).
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--block", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation happens here)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compile.json"))
     return p.parse_args(argv)
 
@@ -56,6 +60,8 @@ def _build(config: str, model: torch.nn.Module, world: int):
     """(module whose parameters the optimizer steps, callable that runs the forward)."""
     import shardtensor
 
+    if config.startswith("local-"):
+        return model, torch.compile(model) if config == "local-compiled" else model
     if config.startswith("st-"):
         shardtensor.shard_module(model, gather="sequential" if config == "st-eager-seq" else "overlapped")
         if config == "st-compiled-bucketed":
@@ -122,7 +128,11 @@ def main(argv=None) -> dict:
                         "warmup_s": max(sum(r["first_steps_s"]) for r in ranks), "losses_rank0": ranks[0]["losses"]}
         print(f"{config:15s} step {rows[config]['step_s'] * 1e3:8.1f} ms  peak {rows[config]['peak_mib']:7.1f} MiB"
               f"  warmup+compile {rows[config]['warmup_s']:6.1f} s", flush=True)
-    result = {"args": vars(args), "load_avg": os.getloadavg(), "rows": rows}
+    if "st-eager" in rows:
+        eager = rows["st-eager"]["step_s"]
+        print("step / st-eager: " + ", ".join(f"{c} {r['step_s'] / eager:.2f}x" for c, r in rows.items()))
+    result = {"args": vars(args), "load_avg": os.getloadavg(), "rows": rows,
+              "command": "python benchmarks/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

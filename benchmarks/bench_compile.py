@@ -12,7 +12,8 @@ Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
     what compiling gains on the compute alone (on a CPU whose step is mostly matmuls: little).
 
 Step time is the median of the timed steps (after ``--warmup`` steps, which include compilation); peak is the
-process's peak RSS growth over the mark taken before the model is built (CPU: includes compiler memory).
+process's peak RSS growth over the mark taken before the model is built (CPU: includes compiler memory); step peak
+is the RSS high-water mark of one more warm step over its start (the step's own tensors: see ``_step_peak_bytes``).
 
     python benchmarks/bench_compile.py [--dim 256 --layers 2 ...]   # writes benchmarks/results/compile.json
 """
@@ -82,6 +83,25 @@ def _build(config: str, model: torch.nn.Module, world: int):
     return model, model
 
 
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _step_peak_bytes(step) -> int:
+    """Peak RSS growth during one warm step (compiled code and compiler memory already resident): the Linux
+    high-water mark reset just before (``/proc/self/clear_refs``), read after.  With ``MALLOC_MMAP_THRESHOLD_``
+    small, every tensor of the step is its own mapping, so this is the step's transient tensor memory
+    (gathered weights, activations, gradients) rather than whatever the compiler kept."""
+    import psutil
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = psutil.Process().memory_info().rss
+    step()
+    return _vm_hwm() - before
+
+
 def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
@@ -99,7 +119,8 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
         model, run = _build(config, model, world)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         times, losses = [], []
-        for _ in range(args.warmup + args.steps):
+
+        def step() -> None:
             x, y = get_batch(corpus, args.batch, args.block, gen)
             dist.barrier()
             start = time.perf_counter()
@@ -109,9 +130,13 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
             opt.zero_grad()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
-        return {"config": config, "rank": rank, "step_s": statistics.median(times[args.warmup:]),
+
+        for _ in range(args.warmup + args.steps):
+            step()
+        step_peak = _step_peak_bytes(step)
+        return {"config": config, "rank": rank, "step_s": statistics.median(times[args.warmup:-1]),
                 "first_steps_s": times[: args.warmup], "losses": losses,
-                "peak_mib": (_memory_peak(torch.device("cpu")) - base) / 2**20}
+                "peak_mib": (_memory_peak(torch.device("cpu")) - base) / 2**20, "step_peak_mib": step_peak / 2**20}
     finally:
         dist.destroy_process_group()
 
@@ -122,11 +147,14 @@ def main(argv=None) -> dict:
     if os.path.exists(args.out):  # a run of some configurations adds its rows to the file's others
         with open(args.out) as f:
             rows = json.load(f).get("rows", {})
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by each rank's allocator at start
     for config in args.configs:
         ranks = spawn_ranks(_worker, args.world, config, args, timeout=1800)
         rows[config] = {"step_s": max(r["step_s"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks),
-                        "warmup_s": max(sum(r["first_steps_s"]) for r in ranks), "losses_rank0": ranks[0]["losses"]}
+                        "warmup_s": max(sum(r["first_steps_s"]) for r in ranks), "losses_rank0": ranks[0]["losses"],
+                          "step_peak_mib": max(r["step_peak_mib"] for r in ranks)}
         print(f"{config:15s} step {rows[config]['step_s'] * 1e3:8.1f} ms  peak {rows[config]['peak_mib']:7.1f} MiB"
+              f"  step peak {rows[config]['step_peak_mib']:6.1f} MiB"
               f"  warmup+compile {rows[config]['warmup_s']:6.1f} s", flush=True)
     if "st-eager" in rows:
         eager = rows["st-eager"]["step_s"]

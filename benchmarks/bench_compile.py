@@ -52,7 +52,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation happens here)")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the configurations")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compile.json"))
     return p.parse_args(argv)
 
@@ -148,18 +149,35 @@ def main(argv=None) -> dict:
         with open(args.out) as f:
             rows = json.load(f).get("rows", {})
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by each rank's allocator at start
-    for config in args.configs:
-        ranks = spawn_ranks(_worker, args.world, config, args, timeout=1800)
-        rows[config] = {"step_s": max(r["step_s"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks),
-                        "warmup_s": max(sum(r["first_steps_s"]) for r in ranks), "losses_rank0": ranks[0]["losses"],
-                          "step_peak_mib": max(r["step_peak_mib"] for r in ranks)}
-        print(f"{config:15s} step {rows[config]['step_s'] * 1e3:8.1f} ms  peak {rows[config]['peak_mib']:7.1f} MiB"
-              f"  step peak {rows[config]['step_peak_mib']:6.1f} MiB"
-              f"  warmup+compile {rows[config]['warmup_s']:6.1f} s", flush=True)
+    rounds: dict = {config: [] for config in args.configs}
+    loads = []
+    for round_index in range(args.repeats):  # interleaved: a load change on the shared machine hits every config
+        order = args.configs[round_index % len(args.configs):] + args.configs[:round_index % len(args.configs)]
+        for config in order:
+            loads.append(os.getloadavg()[0])
+            ranks = spawn_ranks(_worker, args.world, config, args, timeout=1800)
+            rounds[config].append({
+                "step_s": max(r["step_s"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks),
+                "warmup_s": max(sum(r["first_steps_s"]) for r in ranks), "losses_rank0": ranks[0]["losses"],
+                "step_peak_mib": max(r["step_peak_mib"] for r in ranks)})
+            last = rounds[config][-1]
+            print(f"round {round_index}: {config:20s} step {last['step_s'] * 1e3:8.1f} ms  peak {last['peak_mib']:7.1f}"
+                  f" MiB  step peak {last['step_peak_mib']:6.1f} MiB  warmup+compile {last['warmup_s']:6.1f} s",
+                  flush=True)
+    for config, runs in rounds.items():
+        steps = [r["step_s"] for r in runs]
+        rows[config] = {"step_s": statistics.median(steps), "step_s_rounds": steps,
+                        "peak_mib": statistics.median(r["peak_mib"] for r in runs),
+                        "step_peak_mib": statistics.median(r["step_peak_mib"] for r in runs),
+                        "warmup_s": statistics.median(r["warmup_s"] for r in runs),
+                        "losses_rank0": runs[0]["losses_rank0"]}
     if "st-eager" in rows:
         eager = rows["st-eager"]["step_s"]
-        print("step / st-eager: " + ", ".join(f"{c} {r['step_s'] / eager:.2f}x" for c, r in rows.items()))
-    result = {"args": vars(args), "load_avg": os.getloadavg(), "rows": rows,
+        for config, row in rows.items():
+            print(f"{config:20s} median step {row['step_s'] * 1e3:8.1f} ms ({row['step_s'] / eager:.2f}x st-eager; rounds "
+                  + ", ".join(f"{t * 1e3:.0f}" for t in row.get("step_s_rounds", [row["step_s"]]))
+                  + f")  step peak {row['step_peak_mib']:6.1f} MiB")
+    result = {"args": vars(args), "load_avg_at_starts": loads, "load_avg_end": os.getloadavg(), "rows": rows,
               "command": "python benchmarks/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -155,6 +155,7 @@ def shard_module(
 
     handles.append(module.register_forward_pre_hook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync),
                                                     with_kwargs=True))
+    handles.append(module.register_load_state_dict_pre_hook(_misuse.refuse_other_ranks_shards))
     attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
     if offload is not None:

@@ -217,3 +217,34 @@ def test_parameter_used_only_in_a_deferred_micro_batch_gets_its_gradient():
     for grads in run_on_ranks(2, deferred_only_case):
         for name, p in reference.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------- DDP's checkpoint habit: rank 0 saves state_dict()
+def rank0_state_dict_case(path: str) -> tuple:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    saved = shardtensor.shard_module(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)))
+    if dist.get_rank() == 0:
+        torch.save(saved.state_dict(), path)  # rank 0's shards only
+    dist.barrier()
+    torch.manual_seed(1)
+    fresh = shardtensor.shard_module(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)))
+    before = {k: v.to_local().clone() for k, v in fresh.state_dict().items()}
+    message = _error_of(lambda: fresh.load_state_dict(torch.load(path, weights_only=True)))
+    after = {k: v.to_local() for k, v in fresh.state_dict().items()}
+    own = {k: v.to_local() for k, v in saved.state_dict().items()}
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    loaded = all(torch.equal(own[k], after[k]) for k in own)
+    dist.barrier()  # every rank is still in step: nothing gathered alone
+    return message, unchanged, loaded
+
+
+def test_state_dict_saved_on_rank0_is_refused_on_other_ranks_before_anything_is_copied(tmp_path):
+    results = run_on_ranks(2, rank0_state_dict_case, str(tmp_path / "model.pt"), timeout=60)
+    message, _, loaded = results[0]
+    assert message == "no error" and loaded  # rank 0's own rows: a local load
+    message, unchanged, _ = results[1]
+    assert "ValueError" in message and "'0.weight'" in message and "rank 0's shard" in message, message
+    assert "save_checkpoint" in message and "Nothing was copied" in message
+    assert unchanged

@@ -51,7 +51,9 @@ _LABEL_BYTES = 512
 _FIX = (
     "Every rank must run the same ops on sharded parameters, in the same order. A submodule whose use depends on "
     "the data (mixture-of-experts experts called only for routed tokens, blocks skipped or repeated per rank) "
-    "must run on every rank: call every expert on every rank (with zero tokens if none is routed to it), or keep "
+    "must gather the same on every rank: make the module that holds the experts a gather unit "
+    "(shard_module(..., units=[ExpertsModuleClass]): its parameters are gathered and reduced together, whatever "
+    "the data), call every expert on every rank (with zero tokens if none is routed to it), or keep "
     "such parameters whole on every rank (shard_module(..., persist_numel=N) with N above the parameters' full "
     "numel, not the shard sizes named above). "
     "set_divergence_check(False) turns this check off."

@@ -104,6 +104,18 @@ class ShardedParam(torch.Tensor):
         """The full tensor (views applied), gathered from all ranks.  Differentiable: grads flow back sharded."""
         return full_tensor_of(self)
 
+    # torch's own refusal ("not supported for tensor subclasses") names neither the way out nor the collective.
+    def tolist(self):
+        raise TypeError(self._host_copy_refusal("tolist"))
+
+    def numpy(self, *, force: bool = False):
+        raise TypeError(self._host_copy_refusal("numpy"))
+
+    def _host_copy_refusal(self, method: str) -> str:
+        return (f"ShardedParam {self._name or tuple(self.shape)!r}.{method}(): the values are spread over the ranks. "
+                f"Fix: p.full_tensor().{method}() (a gather: call it on every rank), or p.to_local().{method}() for "
+                "this rank's rows.")
+
     def to_dtensor(self):
         """This rank's rows as a ``DTensor`` with ``Shard(0)`` on a 1-d mesh of the layout's group (no copy).
 

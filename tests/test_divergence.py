@@ -38,6 +38,7 @@ def _assert_named_everywhere(outcomes: list, *names: str) -> None:
             assert name in out["message"], f"rank {rank} does not name {name!r}: {out['message']}"
         assert "rank 0" in out["message"] and "rank 1" in out["message"], out["message"]
         assert "every rank" in out["message"].lower(), out["message"]  # the fix
+        assert "units=" in out["message"], out["message"]  # ... and the one that keeps the expert loop
 
 
 class _TwoWeights(nn.Module):

@@ -23,6 +23,14 @@ def test_repr_and_str_need_no_process_group():
         assert "ShardedParam" in text and shape in text, (text, shape)
 
 
+@pytest.mark.parametrize("method", ["tolist", "numpy"])
+def test_host_copies_name_full_tensor_and_to_local(method):
+    p = ShardedParam.from_full(torch.randn(5, 3), name="w")
+    with pytest.raises(TypeError, match=rf"'w'\.{method}\(\).*full_tensor\(\)\.{method}\(\).*to_local\(\)\.{method}"):
+        getattr(p, method)()
+    assert getattr(p.to_local(), method)() is not None  # the way out works
+
+
 def test_repr_survives_a_broken_layout():
     p = ShardedParam.from_full(torch.randn(4, 2))
     object.__setattr__(p, "_layout", None)  # what a half-built object in a debugger may look like

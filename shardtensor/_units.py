@@ -169,10 +169,16 @@ class _Unit:
             shards.append(local)
         g.gathers += len(self.params)
         issued = []
-        for key, positions in self._buckets(shards).items():
-            flat = torch.cat([shards[i].reshape(-1) for i in positions])
+        for (group, dtype, device), positions in self._buckets(shards).items():
+            # The shards go straight into this rank's row of the gather buffer: one pass, no separate flat copy.
+            numel, world = sum(shards[i].numel() for i in positions), _comm.world_size(group)
+            rows = torch.empty((world, numel), dtype=dtype, device=device)
+            mine = rows[_comm.rank(group)] if world > 1 else rows[0]
+            with torch.no_grad():
+                torch.cat([shards[i].reshape(-1) for i in positions], out=mine)
             with _comm.labelled(self._label(positions)):
-                issued.append((positions, flat.numel(), _comm.all_gather_rows(flat, key[0], async_op=async_op)))
+                issued.append((positions, numel, _comm.all_gather_rows(mine, group, async_op=async_op,
+                                                                       out=rows.view(-1))))
         return shards, issued
 
     def _finish(self, pending: tuple) -> list[torch.Tensor]:

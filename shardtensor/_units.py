@@ -188,11 +188,11 @@ class _Unit:
         for positions, numel, result in issued:
             result.work.wait()
             rows = result.buffer.view(-1, numel)  # (world, flat): one rank's shards per row
-            offset = 0
-            for i in positions:
-                layout, n = self.params[i]._layout, shards[i].numel()
-                out[i] = rows[:, offset:offset + n].reshape(layout.padded_shape)[: layout.shape[0]]
-                offset += n
+            fulls = [rows.new_empty(self.params[i]._layout.padded_shape) for i in positions]  # each one's columns:
+            sizes = [shards[i].numel() for i in positions]  # copied out in one call, not a reshape per parameter
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[f.view(len(rows), n) for f, n in zip(fulls, sizes)])
+            for i, full in zip(positions, fulls):
+                out[i] = full[: self.params[i]._layout.shape[0]]
         for i, param in enumerate(self.params):  # other placements (layer-wise): their own gather, in order
             if out[i] is None:
                 with _comm.labelled(self._label([i])):

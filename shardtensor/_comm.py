@@ -255,7 +255,7 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
         works = [dist.broadcast(_rows_alias(out, r * rows, rows), src=global_rank_of(group, r), group=group,
                                 async_op=True) for r in range(world)]
         return CollectiveResult(out, _issued(_WorkList(works), kind, local, group, async_op, label, seq))
-    if in_place:  # not every backend gathers from an input inside its output
+    if in_place and "nccl" not in str(dist.get_backend(group)):  # NCCL gathers in place (FSDP2 relies on it)
         local = local.clone()
     if _all_gather_single is not None:
         work = _all_gather_single(out, local, group=group, async_op=True)

@@ -223,28 +223,40 @@ def _on_gloo_cpu(tensor: torch.Tensor, group: ProcessGroup) -> bool:
 
 @torch.no_grad()
 def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op: bool = False,
-                    label: str = "") -> CollectiveResult:
+                    label: str = "", out: Optional[torch.Tensor] = None) -> CollectiveResult:
     """Gather equal dim-0 shards into one ``(world * rows, ...)`` buffer, rows in rank order.
 
-    The output is the full (padded) tensor itself: no copy-out afterwards.
+    The output is the full (padded) tensor itself: no copy-out afterwards.  ``out``: the caller's buffer for it;
+    ``local`` may already be this rank's rows of ``out`` (written in place by the caller: no copy-in pass).
     """
     world = world_size(group)
     if world == 1:
         return CollectiveResult(local, _DoneWork())
     local = _dense(local).contiguous()
     if local.dtype in _WIRE_DTYPE:
-        result = all_gather_rows(local.view(_WIRE_DTYPE[local.dtype]), group, async_op=async_op, label=label)
+        wire = _WIRE_DTYPE[local.dtype]
+        result = all_gather_rows(local.view(wire), group, async_op=async_op, label=label,
+                                 out=None if out is None else out.view(wire))
         return CollectiveResult(result.buffer.view(local.dtype), result.work)
-    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+    shape = (world * local.shape[0], *local.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=local.dtype, device=local.device)
+    elif tuple(out.shape) != shape or out.dtype != local.dtype or not out.is_contiguous():
+        raise AssertionError(f"all_gather_rows: out {tuple(out.shape)} {out.dtype} for shards {tuple(local.shape)} "
+                             f"{local.dtype}; expected a contiguous {shape}")
     gloo = _on_gloo_cpu(local, group)
     kind = "all-gather (broadcasts)" if gloo else "all-gather"
     seq = _check(kind, local, group, label)
+    rows, me = local.shape[0], rank(group)
+    in_place = local.numel() > 0 and local.data_ptr() == out[me * rows:(me + 1) * rows].data_ptr()
     if gloo:  # see [Note: gloo's tensor collectives copy]
-        rows, me = local.shape[0], rank(group)
-        out[me * rows:(me + 1) * rows].copy_(local)
+        if not in_place:
+            out[me * rows:(me + 1) * rows].copy_(local)
         works = [dist.broadcast(_rows_alias(out, r * rows, rows), src=global_rank_of(group, r), group=group,
                                 async_op=True) for r in range(world)]
         return CollectiveResult(out, _issued(_WorkList(works), kind, local, group, async_op, label, seq))
+    if in_place and "nccl" not in str(dist.get_backend(group)):  # NCCL gathers in place (FSDP2 relies on it)
+        local = local.clone()
     if _all_gather_single is not None:
         work = _all_gather_single(out, local, group=group, async_op=True)
     else:  # torch < 2.13

@@ -20,7 +20,6 @@ right numbers.  An explicit ``units=`` applies in every mode.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
@@ -31,6 +30,7 @@ from . import _comm
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
+from ._unit_buffers import FlatGrads, flat_dtype, reduce_exact
 from .tensor import ShardedParam
 
 if TYPE_CHECKING:
@@ -112,15 +112,15 @@ class _Unit:
         self.params = params  # fixed order: every rank gathers and reduces them in it
         self.gatherer = gatherer
         self.grad_sync = grad_sync
-        self.holds = 0  # forward and backward phases currently holding the gathered parameters
-        self.backward_holds = 0
+        self.holds, self.backward_holds = 0, 0  # phases holding the gathered parameters (all; backward ones)
         self.grads: dict[int, torch.Tensor] = {}  # position -> this rank's summed full gradient
+        self.flat: Optional[FlatGrads] = None  # or: in the reduction buffer (see [Note: flat unit gradients])
         self.prefetched: Optional[tuple] = None  # gathers issued ahead of the unit's hold
         self._held_keys: list[int] = []
 
     def reset(self) -> None:
         """Forget what a failed backward left (held buffers, stashed gradients): a new backward starts clean."""
-        self.grads = {}
+        self.grads, self.flat = {}, None
         self.backward_holds = 0
         self.holds = 1
         self.unhold()
@@ -157,8 +157,10 @@ class _Unit:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         return f"all-gather of {', '.join(map(repr, names[:3]))}{more} (unit {self.name!r})"
 
+    @torch.no_grad()  # the cat writes into a buffer (out=), which autograd refuses for shards needing grad
     def _start(self, *, async_op: bool) -> tuple:
-        """Issue the unit's gathers: one all-gather per (group, dtype) of a flat buffer of the shards."""
+        """Issue the unit's gathers: one all-gather per (group, dtype), the shards written straight into this
+        rank's row of its ``(world, flat)`` buffer (one pass, no separate flat copy)."""
         g = self.gatherer
         shards = []
         for param in self.params:
@@ -169,10 +171,14 @@ class _Unit:
             shards.append(local)
         g.gathers += len(self.params)
         issued = []
-        for key, positions in self._buckets(shards).items():
-            flat = torch.cat([shards[i].reshape(-1) for i in positions])
+        for (group, dtype, device), positions in self._buckets(shards).items():
+            numel, world = sum(shards[i].numel() for i in positions), _comm.world_size(group)
+            rows = torch.empty((world, numel), dtype=dtype, device=device)
+            mine = rows[_comm.rank(group)] if world > 1 else rows[0]
+            torch.cat([shards[i].reshape(-1) for i in positions], out=mine)
             with _comm.labelled(self._label(positions)):
-                issued.append((positions, flat.numel(), _comm.all_gather_rows(flat, key[0], async_op=async_op)))
+                issued.append((positions, numel, _comm.all_gather_rows(mine, group, async_op=async_op,
+                                                                       out=rows.view(-1))))
         return shards, issued
 
     def _finish(self, pending: tuple) -> list[torch.Tensor]:
@@ -182,11 +188,11 @@ class _Unit:
         for positions, numel, result in issued:
             result.work.wait()
             rows = result.buffer.view(-1, numel)  # (world, flat): one rank's shards per row
-            offset = 0
-            for i in positions:
-                layout, n = self.params[i]._layout, shards[i].numel()
-                out[i] = rows[:, offset:offset + n].reshape(layout.padded_shape)[: layout.shape[0]]
-                offset += n
+            fulls = [rows.new_empty(self.params[i]._layout.padded_shape) for i in positions]  # each one's columns:
+            sizes = [shards[i].numel() for i in positions]  # copied out in one call, not a reshape per parameter
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[f.view(len(rows), n) for f, n in zip(fulls, sizes)])
+            for i, full in zip(positions, fulls):
+                out[i] = full[: self.params[i]._layout.shape[0]]
         for i, param in enumerate(self.params):  # other placements (layer-wise): their own gather, in order
             if out[i] is None:
                 with _comm.labelled(self._label([i])):
@@ -204,6 +210,12 @@ class _Unit:
 
     # ------------------------------------------------------------------ gradients
     def stash(self, position: int, grad: torch.Tensor) -> None:
+        if self.flat is None and not self.grads and grad.dtype == flat_dtype(self.params, self.grad_sync.strategy):
+            self.flat = FlatGrads(self.params, grad.dtype, grad.device)
+        if self.flat is not None:
+            if self.flat.fits(grad):
+                return self.flat.add(position, grad)
+            self.grads, self.flat = self.flat.kept(), None  # another dtype: keep them apart from now on
         kept = self.grads.get(position)
         if kept is None:
             self.grads[position] = grad.clone(memory_format=torch.contiguous_format)
@@ -220,14 +232,20 @@ class _Unit:
     @torch.no_grad()
     def reduce(self) -> None:
         """Every rank: this unit's gradients, in the fixed order, zeros where this rank has none."""
+        strategy = self.grad_sync.strategy
+        if self.flat is not None and self.flat.dtype == flat_dtype(self.params, strategy):
+            flat, self.flat = self.flat, None
+            shards, flags = reduce_exact(self.name, self.params, None, None, strategy.reduce_dtype, flat)
+            return self._accumulate(shards, flags)
+        if self.flat is not None:  # the reducer changed since the gradients came
+            self.grads, self.flat = self.flat.kept(), None
         grads, self.grads = self.grads, {}
         fulls = [grads.get(i) for i in range(len(self.params))]
         mine = torch.tensor([0.0 if g is None else 1.0 for g in fulls], dtype=torch.float64)
         fulls = [torch.zeros(p._layout.shape, dtype=p.dtype, device=p._local.device) if g is None else g
                  for p, g in zip(self.params, fulls)]
-        strategy = self.grad_sync.strategy
         if type(strategy) is ExactReducer and all(type(p._layout) is ShardLayout for p in self.params):
-            shards, flags = self._reduce_exact(fulls, mine, strategy.reduce_dtype)
+            shards, flags = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype)
         else:  # another reducer or placement: the flags in one all-reduce, then each parameter in order
             flags = mine.clone()
             _comm.all_reduce(flags, self.params[0]._layout.group)
@@ -236,6 +254,9 @@ class _Unit:
                 with _comm.inputs_may_be_overwritten(True):
                     shards.append(strategy.reduce_grad(g, p._layout, key=p._name, dtype=p.dtype, owned=True,
                                                        overlap=False))
+        self._accumulate(shards, flags)
+
+    def _accumulate(self, shards: list[torch.Tensor], flags: torch.Tensor) -> None:
         for p, shard, flag in zip(self.params, shards, flags.tolist()):
             if flag == 0:
                 continue  # no rank produced a gradient: .grad stays as it was (None in a first backward)
@@ -244,26 +265,6 @@ class _Unit:
                 p.grad = ShardedParam(shard, p._layout, name=p._name)
             else:
                 p.grad._local.add_(shard)
-
-    def _reduce_exact(self, fulls, mine, reduce_dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
-        layouts = [p._layout for p in self.params]
-        world = layouts[0].world
-        dtype = reduce_dtype or functools.reduce(torch.promote_types, [g.dtype for g in fulls])
-        pieces = [lay.pad(g).to(dtype).reshape(world, -1) for lay, g in zip(layouts, fulls)]
-        pieces.append(mine.to(dtype).expand(world, -1))  # every rank's flags in every rank's row: summed
-        flat = torch.cat(pieces, dim=1)
-        with _comm.labelled(f"gradient reduction of unit {self.name!r} ({len(fulls)} parameters, "
-                                f"first {self.params[0]._name!r})"), \
-                _comm.inputs_may_be_overwritten(True):
-            shard = _comm.reduce_scatter_rows(flat.reshape(-1), layouts[0].group).buffer
-        flags = shard[-len(fulls):].to(torch.float64)
-        shard = shard[: -len(fulls)] / world
-        out, offset = [], 0
-        for lay in layouts:
-            n = lay.local_shape().numel()
-            out.append(shard[offset:offset + n].view(lay.local_shape()))
-            offset += n
-        return out, flags
 
 
 class UnitSet:

@@ -11,11 +11,9 @@ are reduced together, in a fixed order, with zeros for a parameter this rank pro
 has-gradient flag per parameter travels in the same collective: a parameter no rank produced a gradient for
 keeps ``grad=None``, as in the unsharded model (so AdamW does not decay an expert nobody used).
 
-A parameter shared with anything outside its unit (tied weights) stays with per-op gathers.  The default units
-depend on the mode: overlapped and auto take FSDP2's wrapping (each block: one collective per block and
-direction instead of one per parameter); sequential mode, whose point is the lowest peak (one parameter at a
-time), takes only the modules whose members the data picks (an MoE layer), where a unit is needed for the
-right numbers.  An explicit ``units=`` applies in every mode.
+A parameter shared outside its unit (tied weights) keeps per-op gathers.  Default units: overlapped and auto
+take FSDP2's wrapping (one collective per block and direction, not per parameter); sequential mode (lowest peak)
+takes only MoE layers, where a unit is needed for the right numbers.  An explicit ``units=`` applies always.
 """
 
 from __future__ import annotations
@@ -42,9 +40,11 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
 def _data_dependent(module: nn.Module) -> bool:
-    """A module with an expert list: its forward calls the members its data chooses (an MoE layer)."""
-    return any(isinstance(child, _CONTAINERS) and "expert" in name.lower()
-               for name, child in module.named_children())
+    """An MoE layer, whose forward uses the experts its data chooses: an expert list, or experts stacked in the
+    module's own parameters and indexed per expert (transformers' ``MixtralExperts``: a class named *Experts*)."""
+    own = "experts" in type(module).__name__.lower() and next(module.parameters(recurse=False), None) is not None
+    return own or any(isinstance(child, _CONTAINERS) and "expert" in name.lower()
+                      for name, child in module.named_children())
 
 
 def default_units(root: nn.Module, blocks: bool = True) -> list[nn.Module]:

@@ -101,8 +101,9 @@ def shard_module(
         units: gather units (``shardtensor._units``): module classes or a callable ``module -> bool`` whose
             (outermost) modules gather all their parameters at their forward and backward and reduce their
             gradients together, so ranks whose data calls different members (an MoE expert loop) still issue
-            the same collectives; ``False``: none (Default: any module with an expert list; in overlapped and
-            auto mode also each member of the outermost ModuleList/Sequential, one collective per block).
+            the same collectives; ``False``: none (Default: any module with an expert list or a class named
+            *Experts* with its own parameters; in overlapped and auto mode also each member of the outermost
+            ModuleList/Sequential, one collective per block).
     Returns:
         ``module`` itself.
     """

@@ -329,11 +329,13 @@ def wait_watched(work, seconds: float, group, pos: _Position, what: str) -> None
 
 
 def _where(record: Optional[dict]) -> str:
+    outside = ("computing, or blocked outside shardtensor, e.g. in dist.barrier() while this rank runs a forward, "
+               "an eval or full_state_dict that the other ranks skip: every rank must run those")
     if record is None:
-        return "has published no position (it has not waited long at any collective)"
+        return f"has published no position: it has not waited long at any shardtensor collective ({outside})"
     if record.get("state") == "waiting":
         return f"waits at collective #{record['seq']} on group {record['group']}: {record['label']}"
-    return f"is not waiting at any shardtensor collective (state {record.get('state')!r})"
+    return f"is not waiting at any shardtensor collective (state {record.get('state')!r}; {outside})"
 
 
 def _waits_on_me(rec: dict, mine: dict) -> bool:

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_peers import _memory_mark, _memory_peak  # noqa: E402
+from bench_peers import _memory_mark, _memory_peak, add_model_args  # noqa: E402
 from shardtensor.launch import spawn_ranks  # noqa: E402
 
 CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-bucketed", "fsdp2-compiled", "local-eager",
@@ -44,13 +44,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     p.add_argument("--world", type=int, default=2)
-    # The GPT of bench_peers.py (10.3M parameters).
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--block", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
+    add_model_args(p)  # the GPT of bench_peers.py
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation happens here)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the configurations")

@@ -29,7 +29,9 @@ import torch
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardtensor  # noqa: E402
+from bench_peers import add_model_args  # noqa: E402
 from shardtensor.models import GPT, GPTConfig, get_batch, synthetic_corpus  # noqa: E402
 
 TARGET = 1.15
@@ -38,12 +40,7 @@ TARGET = 1.15
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", nargs="+", default=["sequential", "overlapped"], choices=["sequential", "overlapped", "auto"])
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--block", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
+    add_model_args(p)  # the GPT of bench_peers.py
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (Default: all cores)")

@@ -74,16 +74,21 @@ MMAP_THRESHOLD = "65536"
 FLIGHT_RECORDER_ENTRIES = "0"  # see the module docstring
 
 
-def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=CONFIGS)
-    p.add_argument("--world", type=int, default=2, help="ranks per configuration (Default: 2)")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The benchmark GPT (10.3M parameters), shared by every benchmark that compares against this one."""
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--block", type=int, default=128, help="sequence length T (Default: 128)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (Default: 4)")
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=CONFIGS)
+    p.add_argument("--world", type=int, default=2, help="ranks per configuration (Default: 2)")
+    add_model_args(p)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (Default: 2)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per round (Default: 4)")

@@ -82,7 +82,8 @@ class CompressedReducer:
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         if bits != 4:
-            raise NotImplementedError(f"CompressedReducer only packs 4-bit values for now: {bits=}")
+            raise NotImplementedError(f"CompressedReducer packs 4-bit values only: {bits=}. Fix: bits=4, or ExactReducer "
+                                      "(reduce_dtype=torch.bfloat16) for a cheaper exact reduction.")
         if group_size < 2 or group_size % 2:
             raise ValueError(f"group_size must be even (two values per byte): {group_size=}")
         if not 0.0 <= beta < 1.0:

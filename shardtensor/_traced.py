@@ -87,7 +87,7 @@ def traced_gather(param) -> torch.Tensor:
             f"torch.compile of ShardedParam {param._name!r} with a {type(layout).__name__}: only the dim-0 "
             "placement has a traced gather. Fix: shard with placement='dim0' to compile, or run eagerly."
         )
-    local, dtype = param._local, _PARAM_DTYPES.get(id(layout))
+    local, dtype = param._local, param_dtype_of(layout)
     if dtype is not None and local.is_floating_point() and local.dtype != dtype:  # cast before the gather
         local = local.to(dtype)
     full = _comm.functional_all_gather_rows(local, layout.group) if layout.world > 1 else local

@@ -59,6 +59,13 @@ class ShardLayout:
                 f"of {_comm.world_size(self.group)}: it was saved or built in another world. Load it with "
                 "shardtensor.checkpoint_files.load_shards into a model sharded over the same world size."
             )
+        if self.world > 1 and _comm.rank(self.group) != self.rank:  # e.g. rank 0's torch.save loaded on rank 1
+            raise RuntimeError(
+                f"cannot gather rank {self.rank}'s shard (global shape {tuple(self.shape)}) on rank "
+                f"{_comm.rank(self.group)}: it was saved by another rank (model.state_dict() of a sharded model holds "
+                "that rank's rows only), and this rank would gather alone. Fix: shardtensor.save_checkpoint / "
+                "load_checkpoint, or shardtensor.full_state_dict(model, rank0_only=True) for full tensors."
+            )
         return _comm.all_gather_rows(local, self.group, async_op=async_op)
 
     def gather_numel(self) -> int:

@@ -236,15 +236,19 @@ def rank0_state_dict_case(path: str) -> tuple:
     own = {k: v.to_local() for k, v in saved.state_dict().items()}
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     loaded = all(torch.equal(own[k], after[k]) for k in own)
+    # A submodule's load_state_dict has no root pre-hook: the gather itself refuses the other rank's shard.
+    part = {k[2:]: v for k, v in torch.load(path, weights_only=True).items() if k.startswith("0.")}
+    sub_message = _error_of(lambda: fresh[0].load_state_dict(part))
     dist.barrier()  # every rank is still in step: nothing gathered alone
-    return message, unchanged, loaded
+    return message, unchanged, loaded, sub_message
 
 
 def test_state_dict_saved_on_rank0_is_refused_on_other_ranks_before_anything_is_copied(tmp_path):
     results = run_on_ranks(2, rank0_state_dict_case, str(tmp_path / "model.pt"), timeout=60)
-    message, _, loaded = results[0]
-    assert message == "no error" and loaded  # rank 0's own rows: a local load
-    message, unchanged, _ = results[1]
+    message, _, loaded, sub_message = results[0]
+    assert message == "no error" and loaded and sub_message == "no error"  # rank 0's own rows: a local load
+    message, unchanged, _, sub_message = results[1]
     assert "ValueError" in message and "'0.weight'" in message and "rank 0's shard" in message, message
     assert "save_checkpoint" in message and "Nothing was copied" in message
     assert unchanged
+    assert "cannot gather rank 0's shard" in sub_message and "save_checkpoint" in sub_message, sub_message

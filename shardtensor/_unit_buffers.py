@@ -9,6 +9,19 @@ first gradient and writes each gradient into its slot directly (a copy, or an in
 gradient of the same parameter, as the clone-then-``add_`` did): one pass, the same bits, because it is used
 only where the old path would neither cast nor promote (every parameter, every gradient and the reduce dtype
 are one dtype).
+
+[Note: direct gradients]
+Where collectives work in place (gloo, ``_comm_rows``), a large parameter whose rows split evenly over the ranks
+gets no slot: the unit keeps the full gradient autograd produced (when nothing else holds it; else a copy) and
+reduce-scatters it in place, and this rank's rows, divided by the world size, are its mean.  That skips a copy
+of every large gradient into a fresh buffer and of the result out of another (page faults, mostly).  The
+flags and the small parameters still travel in the flat buffer, under the same single identity check.
+
+[Note: unit gathers]
+A unit's gather writes this rank's shards into a ``(world, flat)`` buffer, gathers it, and copies each
+parameter's columns out into its full tensor.  Where collectives work in place, a large parameter skips that:
+its full tensor is allocated first, this rank's rows written into it, and the other ranks' rows broadcast
+straight into it.
 """
 
 from __future__ import annotations
@@ -18,9 +31,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _comm
+from . import _comm, _comm_rows
 from ._layout import ShardLayout
 from .reduce import ExactReducer
+
+# A parameter at least this large gathers into, and reduces out of, its own full tensor where the collectives
+# work in place (gloo: see ``_comm_rows``); smaller ones share one flat buffer (one broadcast per rank for all).
+DIRECT_MIN_NUMEL = 1 << 16
+
+
+def _in_place(world: int, dtype: torch.dtype, device: torch.device, group) -> bool:
+    return world > 1 and dtype not in _comm._WIRE_DTYPE and _comm_rows.rows_collectives_in_place(device, group)
 
 
 def flat_dtype(params: Sequence, strategy) -> Optional[torch.dtype]:
@@ -34,16 +55,71 @@ def flat_dtype(params: Sequence, strategy) -> Optional[torch.dtype]:
     return dtype if strategy.reduce_dtype in (None, dtype) else None
 
 
+def _dim0_buckets(params: Sequence, tensors: Sequence[torch.Tensor]) -> dict:
+    """Positions of dim-0 (plain ``ShardLayout``) parameters, by (group, dtype, device): one collective each."""
+    buckets: dict = {}
+    for i, (param, t) in enumerate(zip(params, tensors)):
+        if type(param._layout) is ShardLayout:
+            buckets.setdefault((param._layout.group, t.dtype, t.device), []).append(i)
+    return buckets
+
+
+@torch.no_grad()  # the writes go into buffers (out=), which autograd refuses for shards needing grad
+def issue_unit_gathers(params: Sequence, shards: list[torch.Tensor], label, async_op: bool) -> list:
+    """Issue the gathers of a unit's dim-0 parameters from ``shards`` (see [Note: unit gathers]); ``label``
+    names a list of positions.  The result goes to ``complete_unit_gathers``."""
+    issued = []
+    for (group, dtype, device), positions in _dim0_buckets(params, shards).items():
+        world, me = _comm.world_size(group), _comm.rank(group)
+        in_place = _in_place(world, dtype, device, group)
+        fulls = {i: torch.empty(params[i]._layout.padded_shape, dtype=dtype, device=device) for i in positions
+                 if in_place and params[i]._layout.padded_shape.numel() >= DIRECT_MIN_NUMEL}
+        for i, full in fulls.items():
+            full.view(world, -1)[me].copy_(shards[i].reshape(-1))
+        flat = [i for i in positions if i not in fulls]
+        numel = sum(shards[i].numel() for i in flat)
+        rows = torch.empty((world, numel), dtype=dtype, device=device)
+        if flat:
+            torch.cat([shards[i].reshape(-1) for i in flat], out=rows[me])
+        with _comm.labelled(label(positions)):
+            if in_place:
+                work = _comm_rows.all_gather_in_place([rows, *fulls.values()] if flat else list(fulls.values()),
+                                                      group, async_op=async_op)
+            else:
+                work = _comm.all_gather_rows(rows[me], group, async_op=async_op, out=rows.view(-1)).work
+        issued.append((flat, rows, fulls, work))
+    return issued
+
+
+def complete_unit_gathers(params: Sequence, issued: list) -> list[Optional[torch.Tensor]]:
+    """Wait for ``issue_unit_gathers``' collectives: each parameter's full tensor (None: not a dim-0 one)."""
+    out: list[Optional[torch.Tensor]] = [None] * len(params)
+    for flat, rows, fulls, work in issued:
+        work.wait()
+        padded = [rows.new_empty(params[i]._layout.padded_shape) for i in flat]  # each one's columns, copied
+        sizes = [params[i]._layout.local_shape().numel() for i in flat]  # out in one call
+        if flat:
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[f.view(len(rows), n) for f, n in zip(padded, sizes)])
+        for i, full in [*zip(flat, padded), *fulls.items()]:
+            out[i] = full[: params[i]._layout.shape[0]]
+    return out
+
+
 class FlatGrads:
     """One backward's gradients of a unit, each in its slot of the ``(world, flat + flags)`` reduction buffer."""
 
     def __init__(self, params: Sequence, dtype: torch.dtype, device: torch.device):
         self.layouts = [p._layout for p in params]
         self.world = self.layouts[0].world
+        direct = _in_place(self.world, dtype, device, self.layouts[0].group)
+        # position -> the full gradient itself (see [Note: direct gradients]); None until it comes
+        self.direct: dict[int, Optional[torch.Tensor]] = {
+            i: None for i, lay in enumerate(self.layouts)
+            if direct and lay.shape[0] % self.world == 0 and lay.shape.numel() >= DIRECT_MIN_NUMEL}
         self.offsets, total = [], 0
-        for lay in self.layouts:
+        for i, lay in enumerate(self.layouts):
             self.offsets.append(total)
-            total += lay.local_shape().numel()
+            total += 0 if i in self.direct else lay.local_shape().numel()
         self.total = total
         self.dtype = dtype
         self.buffer = torch.empty((self.world, total + len(params)), dtype=dtype, device=device)
@@ -58,9 +134,20 @@ class FlatGrads:
         local = lay.local_shape()
         return self.buffer[:, offset:offset + local.numel()].unflatten(1, tuple(local))
 
-    def add(self, position: int, grad: torch.Tensor) -> None:
-        """Write (first gradient) or add (a later one) ``grad`` into the parameter's slot; zeros in its padding."""
+    def add(self, position: int, grad: torch.Tensor, owned: bool = False) -> None:
+        """Write (first gradient) or add (a later one) ``grad`` into the parameter's slot; zeros in its padding.
+        A direct parameter keeps ``grad`` itself where this is its only holder (``owned``), else a copy."""
         lay = self.layouts[position]
+        if position in self.direct:
+            kept = self.direct[position]
+            if kept is not None:
+                kept.add_(grad.reshape(lay.shape))
+            elif owned and grad.is_contiguous():
+                self.direct[position] = grad.view(lay.shape)
+            else:
+                self.direct[position] = grad.reshape(lay.shape).clone(memory_format=torch.contiguous_format)
+            self.have[position] = True
+            return
         rows, slot = lay.rows_per_rank, self._slot(position)
         if rows == 0 or grad.numel() == 0:
             if not self.have[position]:
@@ -83,13 +170,16 @@ class FlatGrads:
 
     def kept(self) -> dict[int, torch.Tensor]:
         """position -> full gradient (copies), as ``_Unit.grads`` keeps them: for a unit leaving the flat path."""
-        return {i: self._slot(i).reshape(lay.padded_shape)[: lay.shape[0]].clone()
+        return {i: self.direct[i] if i in self.direct else self._slot(i).reshape(lay.padded_shape)[: lay.shape[0]].clone()
                 for i, lay in enumerate(self.layouts) if self.have[i]}
 
     def finish(self, mine: torch.Tensor) -> torch.Tensor:
         """The buffer to reduce-scatter: zeros for the parameters this rank has no gradient for, then the flags."""
         for position, had in enumerate(self.have):
-            if not had:
+            if not had and position in self.direct:
+                self.direct[position] = torch.zeros(self.layouts[position].shape, dtype=self.dtype,
+                                                    device=self.buffer.device)
+            elif not had:
                 self._slot(position).zero_()
         self.buffer[:, self.total:].copy_(mine.to(self.dtype).expand(self.world, -1))
         return self.buffer
@@ -102,9 +192,11 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
     in place; its own flags) or of ``fulls`` (this rank's full gradients, padded, cast and concatenated here)
     with ``mine``, this rank's has-gradient flags."""
     layouts = [p._layout for p in params]
-    world, count = layouts[0].world, len(params)
+    world, count, group = layouts[0].world, len(params), layouts[0].group
+    direct: dict[int, torch.Tensor] = {}
     if grads is not None:  # already in place (see [Note: flat unit gradients])
         flat = grads.finish(torch.tensor([1.0 if had else 0.0 for had in grads.have], dtype=torch.float64))
+        direct = grads.direct
     else:
         dtype = reduce_dtype or functools.reduce(torch.promote_types, [g.dtype for g in fulls])
         pieces = [lay.pad(g).to(dtype).reshape(world, -1) for lay, g in zip(layouts, fulls)]
@@ -113,11 +205,18 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
     with _comm.labelled(f"gradient reduction of unit {name!r} ({count} parameters, "
                         f"first {params[0]._name!r})"), \
             _comm.inputs_may_be_overwritten(True):
-        shard = _comm.reduce_scatter_rows(flat.reshape(-1), layouts[0].group).buffer
+        if _in_place(world, flat.dtype, flat.device, group):
+            mine = _comm_rows.reduce_scatter_in_place([flat.view(world, -1), *direct.values()], group)
+            shard, sums = mine[0].reshape(-1), dict(zip(direct, mine[1:]))
+        else:
+            shard, sums = _comm.reduce_scatter_rows(flat.reshape(-1), group).buffer, {}
     flags = shard[-count:].to(torch.float64)
     shard = shard[:-count] / world
     out, offset = [], 0
-    for lay in layouts:
+    for i, lay in enumerate(layouts):
+        if i in sums:  # this rank's rows of the full gradient: the mean in place (autograd's buffer, or ours)
+            out.append(sums[i].div_(world).view(lay.local_shape()))
+            continue
         n = lay.local_shape().numel()
         out.append(shard[offset:offset + n].view(lay.local_shape()))
         offset += n

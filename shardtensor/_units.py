@@ -28,7 +28,7 @@ from . import _comm
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
-from ._unit_buffers import FlatGrads, flat_dtype, reduce_exact
+from ._unit_buffers import FlatGrads, complete_unit_gathers, flat_dtype, issue_unit_gathers, reduce_exact
 from .tensor import ShardedParam
 
 if TYPE_CHECKING:
@@ -157,10 +157,8 @@ class _Unit:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         return f"all-gather of {', '.join(map(repr, names[:3]))}{more} (unit {self.name!r})"
 
-    @torch.no_grad()  # the cat writes into a buffer (out=), which autograd refuses for shards needing grad
     def _start(self, *, async_op: bool) -> tuple:
-        """Issue the unit's gathers: one all-gather per (group, dtype), the shards written straight into this
-        rank's row of its ``(world, flat)`` buffer (one pass, no separate flat copy)."""
+        """Issue the unit's gathers: one collective per (group, dtype), see ``issue_unit_gathers``."""
         g = self.gatherer
         shards = []
         for param in self.params:
@@ -170,51 +168,25 @@ class _Unit:
                 local = local.to(g.param_dtype)
             shards.append(local)
         g.gathers += len(self.params)
-        issued = []
-        for (group, dtype, device), positions in self._buckets(shards).items():
-            numel, world = sum(shards[i].numel() for i in positions), _comm.world_size(group)
-            rows = torch.empty((world, numel), dtype=dtype, device=device)
-            mine = rows[_comm.rank(group)] if world > 1 else rows[0]
-            torch.cat([shards[i].reshape(-1) for i in positions], out=mine)
-            with _comm.labelled(self._label(positions)):
-                issued.append((positions, numel, _comm.all_gather_rows(mine, group, async_op=async_op,
-                                                                       out=rows.view(-1))))
-        return shards, issued
+        return shards, issue_unit_gathers(self.params, shards, self._label, async_op)
 
     def _finish(self, pending: tuple) -> list[torch.Tensor]:
         """Full base tensors of the unit's parameters, once their gathers completed."""
         shards, issued = pending
-        out: list[Optional[torch.Tensor]] = [None] * len(self.params)
-        for positions, numel, result in issued:
-            result.work.wait()
-            rows = result.buffer.view(-1, numel)  # (world, flat): one rank's shards per row
-            fulls = [rows.new_empty(self.params[i]._layout.padded_shape) for i in positions]  # each one's columns:
-            sizes = [shards[i].numel() for i in positions]  # copied out in one call, not a reshape per parameter
-            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[f.view(len(rows), n) for f, n in zip(fulls, sizes)])
-            for i, full in zip(positions, fulls):
-                out[i] = full[: self.params[i]._layout.shape[0]]
+        out = complete_unit_gathers(self.params, issued)
         for i, param in enumerate(self.params):  # other placements (layer-wise): their own gather, in order
             if out[i] is None:
                 with _comm.labelled(self._label([i])):
                     out[i] = param._layout.gather(shards[i]).buffer[: param._layout.shape[0]]
         return out
 
-    def _buckets(self, tensors: list[torch.Tensor]) -> dict:
-        """Positions of dim-0 (plain ``ShardLayout``) parameters, by (group, dtype, device): one collective each."""
-        buckets: dict = {}
-        for i, (param, t) in enumerate(zip(self.params, tensors)):
-            if type(param._layout) is ShardLayout:
-                key = (param._layout.group, t.dtype, t.device)
-                buckets.setdefault(key, []).append(i)
-        return buckets
-
     # ------------------------------------------------------------------ gradients
-    def stash(self, position: int, grad: torch.Tensor) -> None:
+    def stash(self, position: int, grad: torch.Tensor, owned: bool = False) -> None:
         if self.flat is None and not self.grads and grad.dtype == flat_dtype(self.params, self.grad_sync.strategy):
             self.flat = FlatGrads(self.params, grad.dtype, grad.device)
         if self.flat is not None:
             if self.flat.fits(grad):
-                return self.flat.add(position, grad)
+                return self.flat.add(position, grad, owned)
             self.grads, self.flat = self.flat.kept(), None  # another dtype: keep them apart from now on
         kept = self.grads.get(position)
         if kept is None:
@@ -261,8 +233,8 @@ class _Unit:
             if flag == 0:
                 continue  # no rank produced a gradient: .grad stays as it was (None in a first backward)
             shard = shard.to(p.dtype)
-            if p.grad is None:
-                p.grad = ShardedParam(shard, p._layout, name=p._name)
+            if p.grad is None:  # a copy: the shard may be rows of a full gradient (see [Note: direct gradients])
+                p.grad = ShardedParam(shard.clone(), p._layout, name=p._name)
             else:
                 p.grad._local.add_(shard)
 
@@ -305,7 +277,7 @@ class UnitSet:
             handles.append(module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
             handles.append(module.register_forward_hook(self._post_forward(unit), always_call=True))
 
-    def take_grad(self, param: ShardedParam, grad: torch.Tensor) -> Optional[torch.Tensor]:
+    def take_grad(self, param: ShardedParam, grad: torch.Tensor, owned: bool = False) -> Optional[torch.Tensor]:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to
         AccumulateGrad (the reduced shard is added to ``.grad`` later).  None: not a unit parameter."""
         found = self.of_param.get(id(param))
@@ -313,7 +285,7 @@ class UnitSet:
             return None
         unit, position = found
         self._queue_end_of_backward()
-        unit.stash(position, grad)
+        unit.stash(position, grad, owned)
         return ShardedParam(grad.new_zeros(param._layout.local_shape(), dtype=param.dtype), param._layout,
                             name=param._name)
 

@@ -200,7 +200,7 @@ class GradSync:
                 return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, name=key)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
-            kept = self.units.take_grad(param, grad) if self.units is not None else None
+            kept = self.units.take_grad(param, grad, owned) if self.units is not None else None
             if kept is not None:
                 return kept
             with _comm.inputs_may_be_overwritten(owned):  # nobody else reads this gradient after us

@@ -22,6 +22,15 @@ A unit's gather writes this rank's shards into a ``(world, flat)`` buffer, gathe
 parameter's columns out into its full tensor.  Where collectives work in place, a large parameter skips that:
 its full tensor is allocated first, this rank's rows written into it, and the other ranks' rows broadcast
 straight into it.
+
+[Note: recycled full tensors]
+On the CPU a fresh buffer costs its page faults (5x the copy into it, measured), and every unit gather used to
+allocate its full tensors afresh.  A unit that frees its full tensors hands them (those nothing else holds) to
+the next unit's gather, which in overlapped mode is issued a moment later by the next unit's pre-hook: the
+memory the freed tensors held is the memory the new ones would take, so the peak does not move.  The pool is
+emptied after every unit pre-hook and at step boundaries, and a unit with no successor in its direction (the
+last block's forward: the head, the loss and the peak come next) does not give, so a freed tensor never waits
+across other work.
 """
 
 from __future__ import annotations
@@ -65,14 +74,17 @@ def _dim0_buckets(params: Sequence, tensors: Sequence[torch.Tensor]) -> dict:
 
 
 @torch.no_grad()  # the writes go into buffers (out=), which autograd refuses for shards needing grad
-def issue_unit_gathers(params: Sequence, shards: list[torch.Tensor], label, async_op: bool) -> list:
+def issue_unit_gathers(params: Sequence, shards: list[torch.Tensor], label, async_op: bool,
+                       pool: Optional[FullsPool] = None) -> list:
     """Issue the gathers of a unit's dim-0 parameters from ``shards`` (see [Note: unit gathers]); ``label``
     names a list of positions.  The result goes to ``complete_unit_gathers``."""
     issued = []
     for (group, dtype, device), positions in _dim0_buckets(params, shards).items():
         world, me = _comm.world_size(group), _comm.rank(group)
         in_place = _in_place(world, dtype, device, group)
-        fulls = {i: torch.empty(params[i]._layout.padded_shape, dtype=dtype, device=device) for i in positions
+        take = pool.take if pool is not None else (lambda shape, dtype, device: torch.empty(shape, dtype=dtype,
+                                                                                         device=device))
+        fulls = {i: take(params[i]._layout.padded_shape, dtype, device) for i in positions
                  if in_place and params[i]._layout.padded_shape.numel() >= DIRECT_MIN_NUMEL}
         for i, full in fulls.items():
             full.view(world, -1)[me].copy_(shards[i].reshape(-1))
@@ -103,6 +115,28 @@ def complete_unit_gathers(params: Sequence, issued: list) -> list[Optional[torch
         for i, full in [*zip(flat, padded), *fulls.items()]:
             out[i] = full[: params[i]._layout.shape[0]]
     return out
+
+
+class FullsPool:
+    """Full tensors a unit just freed, handed to the next unit's gather of the same shapes (see [Note: recycled
+    full tensors])."""
+
+    def __init__(self):
+        self.free: list[torch.Tensor] = []
+
+    def give(self, full: torch.Tensor) -> None:
+        """Keep ``full`` if nothing else holds its memory (a view an op kept, a saved tensor, gloo's alias)."""
+        if torch._C._storage_Use_Count(full.untyped_storage()._cdata) <= 2:  # ``full`` and the query's own
+            self.free.append(full)
+
+    def take(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for i, full in enumerate(self.free):
+            if full.shape == shape and full.dtype == dtype and full.device == device:
+                return self.free.pop(i)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def clear(self) -> None:
+        self.free = []
 
 
 class FlatGrads:

@@ -28,7 +28,7 @@ from . import _comm
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
-from ._unit_buffers import FlatGrads, complete_unit_gathers, flat_dtype, issue_unit_gathers, reduce_exact
+from ._unit_buffers import FlatGrads, FullsPool, complete_unit_gathers, flat_dtype, issue_unit_gathers, reduce_exact
 from .tensor import ShardedParam
 
 if TYPE_CHECKING:
@@ -117,18 +117,23 @@ class _Unit:
         self.flat: Optional[FlatGrads] = None  # or: in the reduction buffer (see [Note: flat unit gradients])
         self.prefetched: Optional[tuple] = None  # gathers issued ahead of the unit's hold
         self._held_keys: list[int] = []
+        self._fulls: list[torch.Tensor] = []  # the held full tensors that may be recycled
+        self.pool: Optional[FullsPool] = None  # where they go when freed (UnitSet: see [Note: recycled full tensors])
+        self.gives = False  # whether freeing them now should recycle them
 
     def reset(self) -> None:
         """Forget what a failed backward left (held buffers, stashed gradients): a new backward starts clean."""
         self.grads, self.flat = {}, None
         self.backward_holds = 0
-        self.holds = 1
+        self.holds, self.gives = 1, False
         self.unhold()
 
     # ------------------------------------------------------------------ gathers
     def hold(self) -> None:
         if self.holds == 0:
-            fulls = self._finish(self.prefetched or self._start(async_op=False))
+            pending = self.prefetched or self._start(async_op=False)
+            fulls = self._finish(pending)
+            self._fulls = [full for entry in pending[1] for full in entry[2].values()]
             self._held_keys = [id(param._local) for param in self.params]  # ops find their shard by identity
             self.gatherer.held.update(zip(self._held_keys, fulls))
             self.prefetched = None
@@ -140,6 +145,10 @@ class _Unit:
             for key in self._held_keys:
                 self.gatherer.held.pop(key, None)
             self._held_keys = []
+            fulls, self._fulls = self._fulls, []
+            if self.gives and self.pool is not None:
+                for full in fulls:
+                    self.pool.give(full)
 
     def prefetch(self) -> None:
         """Start this unit's gathers now (overlapped mode: while the previous unit computes)."""
@@ -168,7 +177,7 @@ class _Unit:
                 local = local.to(g.param_dtype)
             shards.append(local)
         g.gathers += len(self.params)
-        return shards, issue_unit_gathers(self.params, shards, self._label, async_op)
+        return shards, issue_unit_gathers(self.params, shards, self._label, async_op, self.pool)
 
     def _finish(self, pending: tuple) -> list[torch.Tensor]:
         """Full base tensors of the unit's parameters, once their gathers completed."""
@@ -246,6 +255,7 @@ class UnitSet:
         self.units: list[_Unit] = []
         self.of_param: dict[int, tuple[_Unit, int]] = {}  # id(parameter) -> (unit, position)
         self.gatherer = gatherer
+        self.pool = FullsPool()
         self._backward_task = None  # graph task whose end-of-backward callback is queued
         uses: dict[int, int] = {}
         for _, p in root.named_parameters(remove_duplicate=False):
@@ -264,6 +274,7 @@ class UnitSet:
             if not params:
                 continue
             unit = _Unit(names.get(id(module), type(module).__name__), params, gatherer, grad_sync)
+            unit.pool = self.pool
             for i, p in enumerate(params):
                 self.of_param[id(p)] = (unit, i)
             self.units.append(unit)
@@ -295,6 +306,7 @@ class UnitSet:
                 return None
             unit.hold()
             self._prefetch_after(unit, +1)
+            self.pool.clear()
             if not torch.is_grad_enabled():
                 return None
             flat = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -310,7 +322,9 @@ class UnitSet:
         def hook(module, args, output):
             if torch.compiler.is_compiling():
                 return None
+            unit.gives = self._neighbour(unit, +1) is not None  # recycled by the next unit's pre-hook
             unit.unhold()
+            unit.gives = False
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit),
@@ -323,7 +337,9 @@ class UnitSet:
         self._queue_end_of_backward()
         unit.hold()
         unit.backward_holds += 1
+        unit.gives = self._neighbour(unit, -1) is not None  # for the unhold after its backward
         self._prefetch_after(unit, -1)
+        self.pool.clear()
 
     def _queue_end_of_backward(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -337,11 +353,12 @@ class UnitSet:
     def _prefetch_after(self, unit: _Unit, step: int) -> None:
         """Overlapped mode: start the next unit's gathers (forward: the next in module order; backward: the
         previous), as FSDP2 does.  Every rank reaches the same hooks, so every rank issues the same prefetch."""
-        if self.gatherer.reduce_overlap_bytes() <= 0:
-            return
+        if self.gatherer.reduce_overlap_bytes() > 0 and (neighbour := self._neighbour(unit, step)) is not None:
+            neighbour.prefetch()
+
+    def _neighbour(self, unit: _Unit, step: int) -> Optional[_Unit]:
         k = self.units.index(unit) + step
-        if 0 <= k < len(self.units):
-            self.units[k].prefetch()
+        return self.units[k] if 0 <= k < len(self.units) else None
 
     def step_begin(self, *args) -> None:
         """Root forward: prefetches nobody used (the order changed) are completed and dropped."""
@@ -349,14 +366,17 @@ class UnitSet:
             return
         for unit in self.units:
             unit.drop_prefetch()
+        self.pool.clear()
 
     def _end_of_backward(self) -> None:
         """Units whose inputs needed no gradient (no post-backward node ran): free and reduce, in unit order."""
         self._backward_task = None
         for unit in self.units:
             unit.drop_prefetch()
+            unit.gives = False  # nothing follows
             while unit.backward_holds:
                 unit.post_backward()
+        self.pool.clear()
 
 
 def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_sync: GradSync,

@@ -51,20 +51,21 @@ def all_gather_in_place(buffers: list[torch.Tensor], group: ProcessGroup = None,
 
 
 @torch.no_grad()
-def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = None, *,
-                            label: str = "") -> list[torch.Tensor]:
+def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = None, *, async_op: bool = False,
+                            label: str = "") -> tuple[list[torch.Tensor], object]:
     """Sum several contiguous ``(world * rows, ...)`` buffers (one dtype) over ranks: this rank's rows of each,
-    as views, hold the sums.  gloo CPU only, inside ``inputs_may_be_overwritten()`` (the other rows are left as
-    scratch).  One identity check, then one in-place reduce per (buffer, rank): no output buffer, no copy."""
+    as views, hold the sums once the returned work is waited for (``async_op=False``: already).  gloo CPU only,
+    inside ``inputs_may_be_overwritten()`` (the other rows are left as scratch).  One identity check, then one
+    in-place reduce per (buffer, rank): no output buffer, no copy."""
     world, kind = _comm.world_size(group), "reduce-scatter in place (reduces)"
     if world == 1:
-        return list(buffers)
+        return list(buffers), _DoneWork()
     if not _comm.inputs_overwritable():
         raise AssertionError("reduce_scatter_in_place overwrites its inputs: call it in inputs_may_be_overwritten()")
     total = buffers[0].new_empty(1).expand(sum(b.numel() for b in buffers))
     seq = _comm._check(kind, total, group, label)
     works = [dist.reduce(rows, dst=_comm.global_rank_of(group, r), op=dist.ReduceOp.SUM, group=group, async_op=True)
              for r, rows in _rank_blocks(buffers, world)]
-    _comm._issued(_WorkList(works), kind, total, group, False, label, seq)
+    work = _comm._issued(_WorkList(works), kind, total, group, async_op, label, seq)
     me = _comm.rank(group)
-    return [b[me * (b.shape[0] // world):(me + 1) * (b.shape[0] // world)] for b in buffers]
+    return [b[me * (b.shape[0] // world):(me + 1) * (b.shape[0] // world)] for b in buffers], work

@@ -220,11 +220,10 @@ class FlatGrads:
 
 
 def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]], mine: Optional[torch.Tensor],
-                 reduce_dtype: Optional[torch.dtype], grads: Optional[FlatGrads] = None
-                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+                 reduce_dtype: Optional[torch.dtype], grads: Optional[FlatGrads] = None, async_op: bool = False):
     """A unit's mean gradient shards and summed has-gradient flags, by one reduce-scatter of ``grads`` (built
     in place; its own flags) or of ``fulls`` (this rank's full gradients, padded, cast and concatenated here)
-    with ``mine``, this rank's has-gradient flags."""
+    with ``mine``, this rank's has-gradient flags.  ``async_op``: a function that waits and returns them."""
     layouts = [p._layout for p in params]
     world, count, group = layouts[0].world, len(params), layouts[0].group
     direct: dict[int, torch.Tensor] = {}
@@ -240,10 +239,20 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
                         f"first {params[0]._name!r})"), \
             _comm.inputs_may_be_overwritten(True):
         if _in_place(world, flat.dtype, flat.device, group):
-            mine = _comm_rows.reduce_scatter_in_place([flat.view(world, -1), *direct.values()], group)
-            shard, sums = mine[0].reshape(-1), dict(zip(direct, mine[1:]))
+            rows, work = _comm_rows.reduce_scatter_in_place([flat.view(world, -1), *direct.values()], group,
+                                                            async_op=True)
         else:
-            shard, sums = _comm.reduce_scatter_rows(flat.reshape(-1), group).buffer, {}
+            result = _comm.reduce_scatter_rows(flat.reshape(-1), group, async_op=True)
+            rows, work = [result.buffer], result.work
+    finish = functools.partial(_mean_shards, layouts, rows, work, dict(zip(direct, rows[1:])))
+    return finish if async_op else finish()
+
+
+def _mean_shards(layouts: list, rows: list[torch.Tensor], work, sums: dict[int, torch.Tensor]
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Wait for a unit's reduction; each parameter's mean shard and the summed has-gradient flags."""
+    work.wait()
+    world, count, shard = layouts[0].world, len(layouts), rows[0].reshape(-1)
     flags = shard[-count:].to(torch.float64)
     shard = shard[:-count] / world
     out, offset = [], 0
@@ -255,3 +264,12 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
         out.append(shard[offset:offset + n].view(lay.local_shape()))
         offset += n
     return out, flags
+
+
+def finish_reductions(in_flight: list, keep: int = 0) -> None:
+    """Wait for the oldest unit reductions in flight, ``(accumulate, finish)`` pairs, all but ``keep``, and hand
+    their shards to ``accumulate``.  Units keep one in flight: its gradients go over the wire while the next
+    unit's backward computes, and they were alive until their reduction anyway."""
+    while len(in_flight) > keep:
+        accumulate, finish = in_flight.pop(0)
+        accumulate(*finish())

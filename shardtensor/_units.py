@@ -28,7 +28,8 @@ from . import _comm
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
-from ._unit_buffers import FlatGrads, FullsPool, complete_unit_gathers, flat_dtype, issue_unit_gathers, reduce_exact
+from ._unit_buffers import (FlatGrads, FullsPool, complete_unit_gathers, finish_reductions, flat_dtype,
+                            issue_unit_gathers, reduce_exact)
 from .tensor import ShardedParam
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class _Unit:
         self._held_keys: list[int] = []
         self._fulls: list[torch.Tensor] = []  # the held full tensors that may be recycled
         self.pool: Optional[FullsPool] = None  # where they go when freed (UnitSet: see [Note: recycled full tensors])
+        self.in_flight: list = []  # UnitSet's reductions in flight (see finish_reductions)
         self.gives = False  # whether freeing them now should recycle them
 
     def reset(self) -> None:
@@ -215,9 +217,10 @@ class _Unit:
         """Every rank: this unit's gradients, in the fixed order, zeros where this rank has none."""
         strategy = self.grad_sync.strategy
         if self.flat is not None and self.flat.dtype == flat_dtype(self.params, strategy):
-            flat, self.flat = self.flat, None
-            shards, flags = reduce_exact(self.name, self.params, None, None, strategy.reduce_dtype, flat)
-            return self._accumulate(shards, flags)
+            flat, self.flat = self.flat, None  # in flight while the next unit's backward runs:
+            finish = reduce_exact(self.name, self.params, None, None, strategy.reduce_dtype, flat, async_op=True)
+            self.in_flight.append((self._accumulate, finish))  # finished by the next unit's reduction or the end of backward
+            return finish_reductions(self.in_flight, keep=1)
         if self.flat is not None:  # the reducer changed since the gradients came
             self.grads, self.flat = self.flat.kept(), None
         grads, self.grads = self.grads, {}
@@ -237,7 +240,7 @@ class _Unit:
                                                        overlap=False))
         self._accumulate(shards, flags)
 
-    def _accumulate(self, shards: list[torch.Tensor], flags: torch.Tensor) -> None:
+    def _accumulate(self, shards: list[torch.Tensor], flags) -> None:
         for p, shard, flag in zip(self.params, shards, flags.tolist()):
             if flag == 0:
                 continue  # no rank produced a gradient: .grad stays as it was (None in a first backward)
@@ -256,6 +259,7 @@ class UnitSet:
         self.of_param: dict[int, tuple[_Unit, int]] = {}  # id(parameter) -> (unit, position)
         self.gatherer = gatherer
         self.pool = FullsPool()
+        self.in_flight: list = []  # unit reductions in flight (see finish_reductions)
         self._backward_task = None  # graph task whose end-of-backward callback is queued
         uses: dict[int, int] = {}
         for _, p in root.named_parameters(remove_duplicate=False):
@@ -274,7 +278,7 @@ class UnitSet:
             if not params:
                 continue
             unit = _Unit(names.get(id(module), type(module).__name__), params, gatherer, grad_sync)
-            unit.pool = self.pool
+            unit.pool, unit.in_flight = self.pool, self.in_flight
             for i, p in enumerate(params):
                 self.of_param[id(p)] = (unit, i)
             self.units.append(unit)
@@ -347,6 +351,7 @@ class UnitSet:
             if self._backward_task is not None:  # the previous backward failed before its end: drop its state
                 for unit in self.units:
                     unit.reset()
+                self.in_flight.clear()
             self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -376,6 +381,7 @@ class UnitSet:
             unit.gives = False  # nothing follows
             while unit.backward_holds:
                 unit.post_backward()
+        finish_reductions(self.in_flight)
         self.pool.clear()
 
 

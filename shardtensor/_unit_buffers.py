@@ -204,7 +204,8 @@ class FlatGrads:
 
     def kept(self) -> dict[int, torch.Tensor]:
         """position -> full gradient (copies), as ``_Unit.grads`` keeps them: for a unit leaving the flat path."""
-        return {i: self.direct[i] if i in self.direct else self._slot(i).reshape(lay.padded_shape)[: lay.shape[0]].clone()
+        return {i: self.direct[i] if i in self.direct  # already this unit's own (see [Note: direct gradients])
+                else self._slot(i).reshape(lay.padded_shape)[: lay.shape[0]].clone()
                 for i, lay in enumerate(self.layouts) if self.have[i]}
 
     def finish(self, mine: torch.Tensor) -> torch.Tensor:

@@ -217,10 +217,11 @@ class _Unit:
         """Every rank: this unit's gradients, in the fixed order, zeros where this rank has none."""
         strategy = self.grad_sync.strategy
         if self.flat is not None and self.flat.dtype == flat_dtype(self.params, strategy):
-            flat, self.flat = self.flat, None  # in flight while the next unit's backward runs:
+            flat, self.flat = self.flat, None
             finish = reduce_exact(self.name, self.params, None, None, strategy.reduce_dtype, flat, async_op=True)
-            self.in_flight.append((self._accumulate, finish))  # finished by the next unit's reduction or the end of backward
-            return finish_reductions(self.in_flight, keep=1)
+            self.in_flight.append((self._accumulate, finish))
+            # Overlapped: in flight during the next unit's backward; sequential (lowest peak): finished now.
+            return finish_reductions(self.in_flight, keep=1 if self.gatherer.reduce_overlap_bytes() > 0 else 0)
         if self.flat is not None:  # the reducer changed since the gradients came
             self.grads, self.flat = self.flat.kept(), None
         grads, self.grads = self.grads, {}
@@ -240,7 +241,7 @@ class _Unit:
                                                        overlap=False))
         self._accumulate(shards, flags)
 
-    def _accumulate(self, shards: list[torch.Tensor], flags) -> None:
+    def _accumulate(self, shards: list[torch.Tensor], flags: torch.Tensor) -> None:
         for p, shard, flag in zip(self.params, shards, flags.tolist()):
             if flag == 0:
                 continue  # no rank produced a gradient: .grad stays as it was (None in a first backward)

@@ -66,7 +66,17 @@ def train(dim: int, hidden: int, skips: tuple, mode: str, threshold: int) -> dic
             return fn(bufs, *args, **kwargs)
         return wrapper
 
-    saved = (_unit_buffers.DIRECT_MIN_NUMEL, _comm_rows.all_gather_in_place, _comm_rows.reduce_scatter_in_place)
+    saved = (_unit_buffers.DIRECT_MIN_NUMEL, _comm_rows.all_gather_in_place, _comm_rows.reduce_scatter_in_place,
+             _unit_buffers.FullsPool.take)
+
+    def take(pool, *args):  # counts full tensors handed from one unit to the next
+        before = len(pool.free)
+        full = saved[3](pool, *args)
+        buffers["recycled"] += len(pool.free) < before
+        return full
+
+    buffers["recycled"] = 0
+    _unit_buffers.FullsPool.take = take
     _unit_buffers.DIRECT_MIN_NUMEL = threshold
     _comm_rows.all_gather_in_place = counted(saved[1], "gather")
     _comm_rows.reduce_scatter_in_place = counted(saved[2], "reduce")
@@ -94,7 +104,8 @@ def train(dim: int, hidden: int, skips: tuple, mode: str, threshold: int) -> dic
                 "diff": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
                 "buffers": buffers, "aliased": grads_alias_a_full_tensor}
     finally:
-        _unit_buffers.DIRECT_MIN_NUMEL, _comm_rows.all_gather_in_place, _comm_rows.reduce_scatter_in_place = saved
+        (_unit_buffers.DIRECT_MIN_NUMEL, _comm_rows.all_gather_in_place, _comm_rows.reduce_scatter_in_place,
+         _unit_buffers.FullsPool.take) = saved
 
 
 @settings(max_examples=6, deadline=None)
@@ -114,6 +125,10 @@ def test_in_place_unit_collectives_train_like_the_flat_buffer_and_the_unsharded_
         for key in ("gather", "reduce"):
             more = d["buffers"][key] > f["buffers"][key]
             assert more == evenly_split, (key, d["buffers"], f["buffers"])
+        # Sequential mode gathers each block at its pre-hook, right after the previous block freed its full
+        # tensors: those are recycled (overlapped mode prefetches the second of two blocks before the first frees).
+        if mode == "sequential" and evenly_split:
+            assert d["buffers"]["recycled"] > 0, d["buffers"]
         for name, value in d["params"].items():
             assert torch.allclose(value, f["params"][name], rtol=0, atol=1e-12), name
         assert not d["aliased"], f"rank {rank}: a .grad shard keeps a full gradient alive"

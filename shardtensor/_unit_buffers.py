@@ -53,6 +53,18 @@ def _in_place(world: int, dtype: torch.dtype, device: torch.device, group) -> bo
     return world > 1 and dtype not in _comm._WIRE_DTYPE and _comm_rows.rows_collectives_in_place(device, group)
 
 
+def direct_positions(layouts: Sequence, dtype: torch.dtype, device: torch.device) -> list[int]:
+    """The parameters whose gradients a unit reduces in their own tensors (see [Note: direct gradients]).
+
+    A function of the layouts, the reduction dtype and the device only, never of which gradients came: a rank
+    that got no gradient for the unit reduces zeros by another route than its peers, and must still issue the
+    same collectives (else gloo aborts the process on a size mismatch)."""
+    world = layouts[0].world
+    if not _in_place(world, dtype, device, layouts[0].group):
+        return []
+    return [i for i, lay in enumerate(layouts) if lay.shape[0] % world == 0 and lay.shape.numel() >= DIRECT_MIN_NUMEL]
+
+
 def flat_dtype(params: Sequence, strategy) -> Optional[torch.dtype]:
     """The dtype a unit's flat gradient buffer holds, or None where the exact path would cast or promote, a
     parameter has another placement or another reducer reduces: those units keep their gradients apart."""
@@ -145,11 +157,8 @@ class FlatGrads:
     def __init__(self, params: Sequence, dtype: torch.dtype, device: torch.device):
         self.layouts = [p._layout for p in params]
         self.world = self.layouts[0].world
-        direct = _in_place(self.world, dtype, device, self.layouts[0].group)
         # position -> the full gradient itself (see [Note: direct gradients]); None until it comes
-        self.direct: dict[int, Optional[torch.Tensor]] = {
-            i: None for i, lay in enumerate(self.layouts)
-            if direct and lay.shape[0] % self.world == 0 and lay.shape.numel() >= DIRECT_MIN_NUMEL}
+        self.direct: dict[int, Optional[torch.Tensor]] = dict.fromkeys(direct_positions(self.layouts, dtype, device))
         self.offsets, total = [], 0
         for i, lay in enumerate(self.layouts):
             self.offsets.append(total)
@@ -231,9 +240,12 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
     if grads is not None:  # already in place (see [Note: flat unit gradients])
         flat = grads.finish(torch.tensor([1.0 if had else 0.0 for had in grads.have], dtype=torch.float64))
         direct = grads.direct
-    else:
+    else:  # the same split as FlatGrads: a peer may be on that route
         dtype = reduce_dtype or functools.reduce(torch.promote_types, [g.dtype for g in fulls])
-        pieces = [lay.pad(g).to(dtype).reshape(world, -1) for lay, g in zip(layouts, fulls)]
+        direct = {i: fulls[i].to(dtype).reshape(layouts[i].shape).contiguous()  # the caller's own: reduced in place
+                  for i in direct_positions(layouts, dtype, fulls[0].device)}
+        pieces = [lay.pad(g).to(dtype).reshape(world, -1) for i, (lay, g) in enumerate(zip(layouts, fulls))
+                  if i not in direct]
         pieces.append(mine.to(dtype).expand(world, -1))  # every rank's flags in every rank's row: summed
         flat = torch.cat(pieces, dim=1)
     with _comm.labelled(f"gradient reduction of unit {name!r} ({count} parameters, "

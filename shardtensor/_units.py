@@ -4,7 +4,8 @@
 Per-op gathers are issued by the ops a rank runs, so a rank whose data decides which parameters it touches (an
 expert loop that calls only the experts its tokens were routed to) issues other collectives than its peers.
 A unit fixes that as FSDP2 does: its forward pre-hook gathers *all* its parameters (one collective per dtype:
-a flat buffer of the unit's shards), whatever the data, and ops inside find them in ``Gatherer.held``; the
+a flat buffer of the unit's shards, or on gloo each large parameter straight into its full tensor, see
+``_unit_buffers``), whatever the data, and ops inside find them in ``Gatherer.held``; the
 forward post-hook frees them.  Before the unit's backward (a hook on its outputs' gradients) they are gathered
 again, and after it (a node on its inputs, or the end of backward) they are freed and the unit's gradients
 are reduced together, in a fixed order, with zeros for a parameter this rank produced no gradient for.  A

@@ -119,10 +119,9 @@ class _Unit:
         self.flat: Optional[FlatGrads] = None  # or: in the reduction buffer (see [Note: flat unit gradients])
         self.prefetched: Optional[tuple] = None  # gathers issued ahead of the unit's hold
         self._held_keys: list[int] = []
-        self._fulls: list[torch.Tensor] = []  # the held full tensors that may be recycled
-        self.pool: Optional[FullsPool] = None  # where they go when freed (UnitSet: see [Note: recycled full tensors])
+        self._fulls: list[torch.Tensor] = []  # held full tensors the UnitSet's pool may recycle when ``gives``
+        self.pool, self.gives = None, False  # (see [Note: recycled full tensors])
         self.in_flight: list = []  # UnitSet's reductions in flight (see finish_reductions)
-        self.gives = False  # whether freeing them now should recycle them
 
     def reset(self) -> None:
         """Forget what a failed backward left (held buffers, stashed gradients): a new backward starts clean."""
@@ -328,7 +327,7 @@ class UnitSet:
         def hook(module, args, output):
             if torch.compiler.is_compiling():
                 return None
-            unit.gives = self._neighbour(unit, +1) is not None  # recycled by the next unit's pre-hook
+            unit.gives = self._next_overlapped(unit, +1) is not None
             unit.unhold()
             unit.gives = False
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -343,7 +342,7 @@ class UnitSet:
         self._queue_end_of_backward()
         unit.hold()
         unit.backward_holds += 1
-        unit.gives = self._neighbour(unit, -1) is not None  # for the unhold after its backward
+        unit.gives = self._next_overlapped(unit, -1) is not None  # for the unhold after backward
         self._prefetch_after(unit, -1)
         self.pool.clear()
 
@@ -360,12 +359,13 @@ class UnitSet:
     def _prefetch_after(self, unit: _Unit, step: int) -> None:
         """Overlapped mode: start the next unit's gathers (forward: the next in module order; backward: the
         previous), as FSDP2 does.  Every rank reaches the same hooks, so every rank issues the same prefetch."""
-        if self.gatherer.reduce_overlap_bytes() > 0 and (neighbour := self._neighbour(unit, step)) is not None:
+        if (neighbour := self._next_overlapped(unit, step)) is not None:
             neighbour.prefetch()
 
-    def _neighbour(self, unit: _Unit, step: int) -> Optional[_Unit]:
+    def _next_overlapped(self, unit: _Unit, step: int) -> Optional[_Unit]:
+        """The next unit this way, in overlapped mode; None in sequential mode (lowest peak: no prefetch, no reuse)."""
         k = self.units.index(unit) + step
-        return self.units[k] if 0 <= k < len(self.units) else None
+        return self.units[k] if self.gatherer.reduce_overlap_bytes() > 0 and 0 <= k < len(self.units) else None
 
     def step_begin(self, *args) -> None:
         """Root forward: prefetches nobody used (the order changed) are completed and dropped."""

@@ -30,7 +30,7 @@ the next unit's gather, which in overlapped mode is issued a moment later by the
 memory the freed tensors held is the memory the new ones would take, so the peak does not move.  The pool is
 emptied after every unit pre-hook and at step boundaries, and a unit with no successor in its direction (the
 last block's forward: the head, the loss and the peak come next) does not give, so a freed tensor never waits
-across other work.
+across other work.  Overlapped mode only: sequential mode, the lowest peak, keeps nothing between two units.
 """
 
 from __future__ import annotations

@@ -215,10 +215,10 @@ def inputs_overwritable() -> bool:
 # NCCL keeps its native all-gather.  Likewise one in-place ``reduce`` per rank's rows reduce-scatters with
 # 1.5 MiB transient instead of 7.9 and in 10 ms instead of 16 (2 ranks), but it overwrites the other rows of
 # its input, so it is used only inside ``inputs_may_be_overwritten()`` (gradients nobody else holds).
-def _on_gloo_cpu(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+def on_gloo_cpu(device: torch.device, group: ProcessGroup) -> bool:
     """CPU tensors on a gloo group: gathered by broadcasts, reduce-scattered by in-place reduces (see above)."""
     # Asked every time (2 us): a process group can be destroyed and the default one re-created on another backend.
-    return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+    return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
 @torch.no_grad()
@@ -244,7 +244,7 @@ def all_gather_rows(local: torch.Tensor, group: ProcessGroup = None, *, async_op
     elif tuple(out.shape) != shape or out.dtype != local.dtype or not out.is_contiguous():
         raise AssertionError(f"all_gather_rows: out {tuple(out.shape)} {out.dtype} for shards {tuple(local.shape)} "
                              f"{local.dtype}; expected a contiguous {shape}")
-    gloo = _on_gloo_cpu(local, group)
+    gloo = on_gloo_cpu(local.device, group)
     kind = "all-gather (broadcasts)" if gloo else "all-gather"
     seq = _check(kind, local, group, label)
     rows, me = local.shape[0], rank(group)
@@ -276,7 +276,7 @@ def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async
     if full.shape[0] % world:
         raise AssertionError(f"reduce_scatter_rows needs rows divisible by the world: {full.shape=} {world=}")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    by_reduces = _overwritable.get() and _on_gloo_cpu(full, group)
+    by_reduces = _overwritable.get() and on_gloo_cpu(full.device, group)
     kind = "reduce-scatter (reduces)" if by_reduces else "reduce-scatter"
     seq = _check(kind, full, group, label)
     if by_reduces:  # see [Note: gloo's tensor collectives copy]

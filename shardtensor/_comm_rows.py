@@ -21,11 +21,6 @@ from ._comm_work import _DoneWork, _rows_alias, _WorkList
 ProcessGroup = Optional["dist.ProcessGroup"]
 
 
-def rows_collectives_in_place(device: torch.device, group: ProcessGroup = None) -> bool:
-    """Whether ``all_gather_in_place``/``reduce_scatter_in_place`` apply: CPU tensors on a gloo group."""
-    return _comm.is_distributed() and device.type == "cpu" and "gloo" in str(dist.get_backend(group))
-
-
 def _rank_blocks(buffers: list[torch.Tensor], world: int):
     """(group rank, rows of one buffer that rank owns, as an alias) for every buffer and rank: see ``_rows_alias``."""
     for buffer in buffers:
@@ -38,7 +33,7 @@ def _rank_blocks(buffers: list[torch.Tensor], world: int):
 def all_gather_in_place(buffers: list[torch.Tensor], group: ProcessGroup = None, *, async_op: bool = False,
                         label: str = ""):
     """Complete several contiguous ``(world * rows, ...)`` buffers (one dtype) whose rows of this rank are
-    written: gloo CPU only (``rows_collectives_in_place``).  One identity check for all, then one broadcast per
+    written: gloo CPU only (``_comm.on_gloo_cpu``).  One identity check for all, then one broadcast per
     (buffer, rank): each buffer can be a parameter's full tensor, so nothing is staged or copied out."""
     world, kind = _comm.world_size(group), "all-gather in place (broadcasts)"
     if world == 1:

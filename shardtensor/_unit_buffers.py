@@ -36,7 +36,7 @@ across other work.  Overlapped mode only: sequential mode, the lowest peak, keep
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -50,7 +50,8 @@ DIRECT_MIN_NUMEL = 1 << 16
 
 
 def _in_place(world: int, dtype: torch.dtype, device: torch.device, group) -> bool:
-    return world > 1 and dtype not in _comm._WIRE_DTYPE and _comm_rows.rows_collectives_in_place(device, group)
+    return (world > 1 and dtype not in _comm._WIRE_DTYPE and _comm.is_distributed()
+            and _comm.on_gloo_cpu(device, group))
 
 
 def direct_positions(layouts: Sequence, dtype: torch.dtype, device: torch.device) -> list[int]:
@@ -85,17 +86,26 @@ def _dim0_buckets(params: Sequence, tensors: Sequence[torch.Tensor]) -> dict:
     return buckets
 
 
+class UnitGather(NamedTuple):
+    """One (group, dtype) bucket of a unit's gather in flight."""
+
+    flat: list[int]  # positions gathered through ``rows`` and copied out
+    rows: torch.Tensor  # ``(world, flat numel)``
+    fulls: dict[int, torch.Tensor]  # position -> padded full tensor gathered in place (see [Note: unit gathers])
+    work: object
+
+
 @torch.no_grad()  # the writes go into buffers (out=), which autograd refuses for shards needing grad
 def issue_unit_gathers(params: Sequence, shards: list[torch.Tensor], label, async_op: bool,
-                       pool: Optional[FullsPool] = None) -> list:
+                       pool: Optional[FullsPool] = None) -> list[UnitGather]:
     """Issue the gathers of a unit's dim-0 parameters from ``shards`` (see [Note: unit gathers]); ``label``
     names a list of positions.  The result goes to ``complete_unit_gathers``."""
     issued = []
+    take = pool.take if pool is not None else lambda shape, dtype, device: torch.empty(shape, dtype=dtype,
+                                                                                      device=device)
     for (group, dtype, device), positions in _dim0_buckets(params, shards).items():
         world, me = _comm.world_size(group), _comm.rank(group)
         in_place = _in_place(world, dtype, device, group)
-        take = pool.take if pool is not None else (lambda shape, dtype, device: torch.empty(shape, dtype=dtype,
-                                                                                         device=device))
         fulls = {i: take(params[i]._layout.padded_shape, dtype, device) for i in positions
                  if in_place and params[i]._layout.padded_shape.numel() >= DIRECT_MIN_NUMEL}
         for i, full in fulls.items():
@@ -111,11 +121,11 @@ def issue_unit_gathers(params: Sequence, shards: list[torch.Tensor], label, asyn
                                                       group, async_op=async_op)
             else:
                 work = _comm.all_gather_rows(rows[me], group, async_op=async_op, out=rows.view(-1)).work
-        issued.append((flat, rows, fulls, work))
+        issued.append(UnitGather(flat, rows, fulls, work))
     return issued
 
 
-def complete_unit_gathers(params: Sequence, issued: list) -> list[Optional[torch.Tensor]]:
+def complete_unit_gathers(params: Sequence, issued: list[UnitGather]) -> list[Optional[torch.Tensor]]:
     """Wait for ``issue_unit_gathers``' collectives: each parameter's full tensor (None: not a dim-0 one)."""
     out: list[Optional[torch.Tensor]] = [None] * len(params)
     for flat, rows, fulls, work in issued:

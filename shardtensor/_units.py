@@ -135,7 +135,7 @@ class _Unit:
         if self.holds == 0:
             pending = self.prefetched or self._start(async_op=False)
             fulls = self._finish(pending)
-            self._fulls = [full for entry in pending[1] for full in entry[2].values()]
+            self._fulls = [full for bucket in pending[1] for full in bucket.fulls.values()]
             self._held_keys = [id(param._local) for param in self.params]  # ops find their shard by identity
             self.gatherer.held.update(zip(self._held_keys, fulls))
             self.prefetched = None

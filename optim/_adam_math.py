@@ -79,14 +79,22 @@ def adamw_rollback_(
     exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
     hp: Hyper,
+    nonfinite_untouched: bool = False,
 ) -> None:
     """Invert ``adamw_step_`` in place, given the gradients it used; ``steps`` go from ``t`` back to ``t - 1``.
 
     No saved copy of the state: the inverse is algebraic (see [Note: rollback error] for what is exact).
     Foreach ops on the whole list: the inverse is a rare path (clipping, inf/NaN), so it trades a few
-    temporaries for simplicity.
+    temporaries for simplicity.  ``nonfinite_untouched``: the step was the checked one (``adamw_checked_``),
+    which left every element with an inf/NaN gradient as it was; those elements stay as they are.
     """
     if not params:
+        return
+    if nonfinite_untouched:
+        grads, restore = _untouched_elements(params, grads, exp_avgs, exp_avg_sqs)
+        adamw_rollback_(params, grads, exp_avgs, exp_avg_sqs, steps, hp)
+        for tensor, where, kept in restore:
+            tensor[where] = kept
         return
     ts = [int(s.item()) for s in steps]
     if min(ts) < 1:
@@ -129,6 +137,20 @@ def adamw_rollback_(
         exp_avgs[i].zero_()
         exp_avg_sqs[i].zero_()
     torch._foreach_add_(steps, torch.ones(()), alpha=-1.0)
+
+
+def _untouched_elements(params, grads, exp_avgs, exp_avg_sqs):
+    """Gradients with zeros where they are inf/NaN (so the inverse stays finite there), and (tensor, where,
+    values) to put those elements of p, m, v back afterwards: the checked step never changed them."""
+    safe, restore = [], []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        bad = ~torch.isfinite(g)
+        if not bad.any():
+            safe.append(g)
+            continue
+        safe.append(torch.where(bad, 0.0, g))
+        restore += [(t, bad, t[bad].clone()) for t in (p, m, v)]
+    return safe, restore
 
 
 @torch.no_grad()

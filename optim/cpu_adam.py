@@ -52,6 +52,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from shardtensor.ops._adamw_cpu import adamw_checked_, adamw_cpu_kernel_status
+
 from ._adam_math import Hyper, adamw_rollback_, adamw_step_, finite_checks, hyper_of, sq_norms
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
     local_of, self_mastered, stage_grad
@@ -207,15 +209,21 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
         rolled_back = self._redo_changed_speculations(slots) or self._rolled_in_hooks
         spec = [s for s in slots if s.spec_hp is not None]
         rest = [s for s in slots if s.spec_hp is None]
-        grads = self._host_grads(spec, rest)
+        checked = self._checks_while_stepping()
+        grads = self._host_grads(spec, rest, check=not checked)
+        stepped = self._step_checked(rest, grads) if checked else []
         finite, norm = self._global_norm(slots)
         clip = finite and self.max_grad_norm is not None and self.max_grad_norm / (norm + 1e-6) < 1.0
         if spec and (not finite or clip):
             self._undo_speculation(spec)
             rolled_back = True
         if finite:
-            self._apply(slots, slots if clip else rest, grads, self.max_grad_norm / (norm + 1e-6) if clip else None)
+            to_step = slots if clip else ([] if stepped else rest)  # the checked step already applied rest
+            self._apply(slots, to_step, grads, self.max_grad_norm / (norm + 1e-6) if clip else None, stepped)
         else:
+            if stepped:  # inf/NaN here or on another rank: undo what the checked step applied
+                self._rollback_batched(stepped, [grads[id(s)] for s in stepped], hypers(stepped),
+                                       [s.master() for s in stepped], nonfinite_untouched=True)
             self._last = None
         self.stats.record_step(speculated, rolled_back, clip, paused, skipped=not finite)
         if finite and self.max_grad_norm is not None:
@@ -237,9 +245,10 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
             self._undo_speculation(redo)
         return bool(redo)
 
-    def _host_grads(self, spec: list[Slot], rest: list[Slot]) -> dict[int, torch.Tensor]:
+    def _host_grads(self, spec: list[Slot], rest: list[Slot], check: bool = True) -> dict[int, torch.Tensor]:
         """id(slot) -> CPU fp32 gradient: the snapshot of a speculation; for the rest the gradient itself when it
-        is one, else a staged copy (all copies issued before the first wait).  Checks the rest (sumsq)."""
+        is one, else a staged copy (all copies issued before the first wait).  Checks the rest (sumsq) unless
+        ``check`` is False (the checked step will)."""
         out = {id(s): s.grad_host for s in spec}
         staged = []
         for s in rest:
@@ -251,22 +260,49 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
                 staged.append(s)
         for s in staged:
             out[id(s)] = host_grad(s)
-        for s, sq in zip(rest, self._check([out[id(s)] for s in rest])):
-            s.sumsq = sq
+        if check:
+            for s, sq in zip(rest, self._check([out[id(s)] for s in rest])):
+                s.sumsq = sq
         return out
+
+    def _checks_while_stepping(self) -> bool:
+        """The inf/NaN check rides in the step itself (``ops/_adamw_cpu``): no clipping norm to ride on, and
+        the compiled kernel is there (``adamw_cpu_kernel_status()``)."""
+        return self.max_grad_norm is None and self.skip_nonfinite and adamw_cpu_kernel_status() == "ok"
+
+    def _step_checked(self, rest: list[Slot], grads: dict) -> list[Slot]:
+        """Step ``rest`` before the global verdict, each element only where its gradient is finite, and set
+        each slot's ``sumsq`` to 0.0 or inf from the same pass; returns the slots stepped (to undo on a skip).
+
+        Nothing is stepped when this rank already knows the step is skipped: the speculative worker found an
+        inf/NaN in a gradient that has not changed since, so the skip stays exact (no step, no rollback).
+        """
+        if any(s.sumsq is not None and not math.isfinite(s.sumsq) and grad_key(s.grad_local()) == s.grad_key
+               for s in rest):
+            for s in rest:  # the verdict is known; the others' finiteness no longer matters
+                s.sumsq = math.inf if s.sumsq is None else s.sumsq
+            return []
+        if not rest:
+            return []
+        _, bad = self._step_batched(rest, [grads[id(s)] for s in rest], checked=True)
+        for s, n in zip(rest, bad):
+            s.sumsq = 0.0 if n == 0 else math.inf
+        return rest
 
     def _global_norm(self, slots: list[Slot]) -> tuple[bool, float]:
         if self.max_grad_norm is None and not self.skip_nonfinite:
             return True, math.nan  # nothing to validate: no collective either
         return global_norm(slots, self.process_group)
 
-    def _apply(self, slots: list[Slot], to_step: list[Slot], grads: dict, coef: Optional[float]) -> None:
-        """Step ``to_step`` (clipped by ``coef``), write every slot back, and remember what rollback() needs."""
+    def _apply(self, slots: list[Slot], to_step: list[Slot], grads: dict, coef: Optional[float],
+               stepped_before: list[Slot]) -> None:
+        """Step ``to_step`` (clipped by ``coef``), write every slot back, and remember what rollback() needs.
+        Slots in neither ``to_step`` nor ``stepped_before`` (the checked step's) are committed speculations."""
         step_grads = [grads[id(s)] for s in to_step]
         if coef is not None:  # clip_grad_norm_'s rule and arithmetic
             torch._foreach_mul_(step_grads, coef)
-        step_hps = self._step_batched(to_step, step_grads)
-        stepped = {id(s) for s in to_step}
+        step_hps, _ = self._step_batched(to_step, step_grads)
+        stepped = {id(s) for s in to_step} | {id(s) for s in stepped_before}
         self._write_back(slots, committed=[s for s in slots if id(s) not in stepped])
         used = [grads[id(s)] for s in slots]
         hps = step_hps if len(to_step) == len(slots) else hypers(slots)  # to_step is slots or a subset
@@ -282,26 +318,37 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
             yield from groups.values()
 
     @torch.no_grad()
-    def _step_batched(self, slots: list[Slot], grads: list[torch.Tensor]) -> list[Hyper]:
-        """Step ``slots`` with ``grads`` on their masters, one fused call per param group and resident chunk."""
+    def _step_batched(self, slots: list[Slot], grads: list[torch.Tensor],
+                      checked: bool = False) -> tuple[list[Hyper], list[int]]:
+        """Step ``slots`` with ``grads`` on their masters, one fused call per param group and resident chunk.
+        ``checked``: only where the gradient is finite; also returns each slot's count of inf/NaN elements."""
         self._wait_write_back()
         hps = hypers(slots)
+        bad = [0] * len(slots)
         for idx in self._by_chunk(slots, lambda i: id(slots[i].group)):
             steps = [slots[i].step_t for i in idx]
             torch._foreach_add_(steps, _ONE, alpha=1.0)  # the tensor overload: 3x cheaper than a Python scalar
-            adamw_step_([slots[i].master() for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
-                        [slots[i].exp_avg_sq for i in idx], steps, hps[idx[0]])
+            lists = ([slots[i].master() for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
+                     [slots[i].exp_avg_sq for i in idx], steps)
+            if checked:
+                for i, n in zip(idx, adamw_checked_(*lists, **hps[idx[0]]._asdict())):
+                    bad[i] = n
+            else:
+                adamw_step_(*lists, hps[idx[0]])
         for s in slots:
             s.scratch_current = False  # a self-mastered parameter moved; its speculative copy did not
-        return hps
+        return hps, bad
 
     @torch.no_grad()
     def _rollback_batched(self, slots: list[Slot], grads: list[torch.Tensor], hps: list[Hyper],
-                          masters: list[torch.Tensor]) -> None:
+                          masters: list[torch.Tensor], nonfinite_untouched: bool = False) -> None:
         """Invert steps of ``slots`` (which updated ``masters`` with ``grads``), one call per hyper-parameter set."""
         for idx in self._by_chunk(slots, lambda i: hps[i]):
             adamw_rollback_([masters[i] for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
-                            [slots[i].exp_avg_sq for i in idx], [slots[i].step_t for i in idx], hps[idx[0]])
+                            [slots[i].exp_avg_sq for i in idx], [slots[i].step_t for i in idx], hps[idx[0]],
+                            nonfinite_untouched=nonfinite_untouched)
+        for s in slots:
+            s.scratch_current = False
 
     @torch.no_grad()
     def _write_back(self, slots: list[Slot], committed: list[Slot]) -> None:

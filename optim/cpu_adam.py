@@ -52,20 +52,18 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from shardtensor.ops._adamw_cpu import adamw_checked_, adamw_cpu_kernel_status
+from shardtensor.ops._adamw_cpu import adamw_cpu_kernel_status
 
-from ._adam_math import Hyper, adamw_rollback_, adamw_step_, finite_checks, hyper_of, sq_norms
+from ._adam_math import finite_checks, hyper_of, sq_norms
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
     local_of, self_mastered, stage_grad
+from ._batched import BatchedStepsMixin
 from ._speculation import SpecPhase, SpeculationMixin
 from .state_store import MOMENTS, HostStore, StateStore
 
 __all__ = ["CPUAdam", "SpeculationStats"]
 
-_ONE = torch.tensor(1.0)  # step-count increment (torch.optim's fused path does the same)
-
-
-class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
+class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with its state in CPU memory; see the module docstring.
 
     Args:
@@ -185,10 +183,6 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
     def _paused(self) -> bool:
         return self.max_grad_norm is not None and self._clip_streak >= self.clip_patience
 
-    def _wait_write_back(self) -> None:
-        if self._h2d_event is not None:
-            self._h2d_event.synchronize()  # the previous step's H2D reads the masters / staging buffers
-
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
@@ -307,72 +301,6 @@ class CPUAdam(SpeculationMixin, torch.optim.Optimizer):
         used = [grads[id(s)] for s in slots]
         hps = step_hps if len(to_step) == len(slots) else hypers(slots)  # to_step is slots or a subset
         self._last = LastStep(slots, used, hps, [grad_key(g) for g in used])
-
-    def _by_chunk(self, slots: list[Slot], key: Callable[[int], Any]) -> Iterable[list[int]]:
-        """Positions in ``slots``, resident chunk by chunk (the store's plan), grouped by ``key(position)``."""
-        pos = {s.index: i for i, s in enumerate(slots)}
-        for keys in self._store.chunks([s.index for s in slots]):
-            groups: dict[Any, list[int]] = {}
-            for k in keys:
-                groups.setdefault(key(pos[k]), []).append(pos[k])
-            yield from groups.values()
-
-    @torch.no_grad()
-    def _step_batched(self, slots: list[Slot], grads: list[torch.Tensor],
-                      checked: bool = False) -> tuple[list[Hyper], list[int]]:
-        """Step ``slots`` with ``grads`` on their masters, one fused call per param group and resident chunk.
-        ``checked``: only where the gradient is finite; also returns each slot's count of inf/NaN elements."""
-        self._wait_write_back()
-        hps = hypers(slots)
-        bad = [0] * len(slots)
-        for idx in self._by_chunk(slots, lambda i: id(slots[i].group)):
-            steps = [slots[i].step_t for i in idx]
-            torch._foreach_add_(steps, _ONE, alpha=1.0)  # the tensor overload: 3x cheaper than a Python scalar
-            lists = ([slots[i].master() for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
-                     [slots[i].exp_avg_sq for i in idx], steps)
-            if checked:
-                for i, n in zip(idx, adamw_checked_(*lists, **hps[idx[0]]._asdict())):
-                    bad[i] = n
-            else:
-                adamw_step_(*lists, hps[idx[0]])
-        for s in slots:
-            s.scratch_current = False  # a self-mastered parameter moved; its speculative copy did not
-        return hps, bad
-
-    @torch.no_grad()
-    def _rollback_batched(self, slots: list[Slot], grads: list[torch.Tensor], hps: list[Hyper],
-                          masters: list[torch.Tensor], nonfinite_untouched: bool = False) -> None:
-        """Invert steps of ``slots`` (which updated ``masters`` with ``grads``), one call per hyper-parameter set."""
-        for idx in self._by_chunk(slots, lambda i: hps[i]):
-            adamw_rollback_([masters[i] for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
-                            [slots[i].exp_avg_sq for i in idx], [slots[i].step_t for i in idx], hps[idx[0]],
-                            nonfinite_untouched=nonfinite_untouched)
-        for s in slots:
-            s.scratch_current = False
-
-    @torch.no_grad()
-    def _write_back(self, slots: list[Slot], committed: list[Slot]) -> None:
-        """Copy updated masters into the parameters (asynchronously from pinned memory on CUDA): every slot with
-        a master of its own, and the committed speculations of self-mastered ones."""
-        cuda = False
-        for slot in slots:
-            if slot.master_host is None:
-                continue
-            local = slot.local()
-            src = slot.master_host
-            if local.device.type == "cuda":
-                cuda = True
-                if local.dtype != torch.float32:
-                    if slot.stage_pinned is None:
-                        slot.stage_pinned = torch.empty(local.shape, dtype=local.dtype, pin_memory=self._pinned)
-                    src = slot.stage_pinned.copy_(src)  # cast on the CPU: half the bytes cross
-            local.copy_(src, non_blocking=local.device.type == "cuda")
-        for slot in committed:
-            if slot.master_host is None:
-                slot.local().copy_(slot.scratch)  # scratch and parameter are equal again (scratch_current)
-        if cuda:
-            self._h2d_event = torch.cuda.Event()
-            self._h2d_event.record()
 
     # ------------------------------------------------------------------ rollback, zero_grad, state
 

@@ -65,6 +65,18 @@ MUTATIONS = {
         "while not context.join(timeout=0.5):", "while not all(not p.is_alive() for p in context.processes):",
         ("tests/test_launch.py::test_a_rank_that_raises_ends_the_launch_with_its_traceback",
          "tests/test_launch.py::test_a_killed_rank_ends_the_launch_naming_the_rank_and_signal")),
+    "adamw_kernel_steps_nonfinite": Mutation(
+        "ops/_adamw_cpu.py", "step_piece",
+        "_mm256_storeu_ps(m + i, _mm256_blendv_ps(m0, m1, ok));", "_mm256_storeu_ps(m + i, m1);",
+        ("tests/test_adamw_kernel.py::test_checked_step_equals_torch_fused_where_finite_and_leaves_inf_nan_elements",)),
+    "adamw_kernel_tail_contracts_like_the_body": Mutation(
+        "ops/_adamw_cpu.py", "step_piece",
+        "float v1 = fmaf(v0, h->b2, (h->c * gi) * gi);", "float v1 = fmaf(h->c * gi, gi, v0 * h->b2);",
+        ("tests/test_adamw_kernel.py::test_checked_step_equals_torch_fused_where_finite_and_leaves_inf_nan_elements",)),
+    "checked_rollback_touches_nonfinite": Mutation(
+        "optim/_adam_math.py", "adamw_rollback_",
+        "            tensor[where] = kept", "            pass",
+        ("tests/test_adamw_kernel.py::test_skipped_step_through_the_kernel_equals_the_skip_without_it",)),
 }
 
 
@@ -76,6 +88,8 @@ def apply(name: str, m: Mutation, text: str) -> str:
             raise LookupError(old)
         return text.replace(old, new, 1)
     start = text.find(f"def {m.function}(")
+    if start < 0:  # a C function inside a Python module's source string (ops/_adamw_cpu.py)
+        start = text.find(f" {m.function}(")
     at = text.find(m.old, start) if start >= 0 else -1
     if at < 0:
         raise LookupError(f"{m.old!r} after 'def {m.function}('")

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from shardtensor import _comm
+from shardtensor.ops._adamw_cpu import adamw_checked_
 
 from ._adam_math import Hyper, adamw_rollback_, adamw_step_, hyper_of
 from ._slots import Slot, grad_key, host_grad, stage_grad
@@ -124,6 +125,9 @@ class SpeculationMixin:
     @torch.no_grad()
     def _speculate_job(self, slot: Slot, hp: Hyper, t: int) -> None:
         g = host_grad(slot)
+        if self._checks_while_stepping():  # no norm needed: the check rides in the step (ops/_adamw_cpu)
+            self._speculate_checked(slot, g, hp, t)
+            return
         slot.sumsq = self._check([g])[0]
         if not math.isfinite(slot.sumsq):
             self._halt()  # never step a non-finite gradient; nothing else speculates this step
@@ -141,6 +145,26 @@ class SpeculationMixin:
         with self._store.resident([slot.index]):
             slot.step_t.fill_(t)
             adamw_step_([slot.spec_master(self._pinned)], [g], [slot.exp_avg], [slot.exp_avg_sq], [slot.step_t], hp)
+        slot.spec_hp = hp
+        self._spec_count += 1
+        self.stats.speculated_params += 1
+
+    def _speculate_checked(self, slot: Slot, g: torch.Tensor, hp: Hyper, t: int) -> None:
+        """The speculative step with the inf/NaN check in the same pass; an inf/NaN undoes the elements it
+        stepped (never the parameter itself: rule 1) and halts speculation, as the separate check would."""
+        if self._phase is SpecPhase.HALTED:
+            return
+        self._wait_write_back()
+        with self._store.resident([slot.index]):
+            slot.step_t.fill_(t)
+            args = ([slot.spec_master(self._pinned)], [g], [slot.exp_avg], [slot.exp_avg_sq], [slot.step_t])
+            if adamw_checked_(*args, **hp._asdict())[0]:
+                adamw_rollback_(*args, hp, nonfinite_untouched=True)
+                slot.scratch_current = False
+                slot.sumsq = math.inf
+                self._halt()
+                return
+        slot.sumsq = 0.0
         slot.spec_hp = hp
         self._spec_count += 1
         self.stats.speculated_params += 1

@@ -21,7 +21,7 @@ error feedback (keep the whole residual).  A bf16 buffer halves the memory and a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -1,8 +1,9 @@
 """CPUAdam: AdamW whose state lives in CPU memory, stepped speculatively while backward runs, rolled back exactly.
 
 Modules: this one holds the optimizer (setup, ``step()``, ``rollback()``, state dicts); ``_speculation`` the
-hook/worker half and its phase enum; ``_slots`` the per-parameter bookkeeping and gradient staging; ``_adam_math``
-the arithmetic; ``state_store`` where the moments live (host memory, or ``shardtensor.offload.NVMeOffload``).
+hook/worker half and its phase enum; ``_batched`` the batched step, its inverse and the write-back; ``_slots`` the
+per-parameter bookkeeping and gradient staging; ``_adam_math`` the arithmetic; ``shardtensor.ops._adamw_cpu`` the
+checked step's kernel; ``state_store`` where the moments live (host memory, or ``shardtensor.offload.NVMeOffload``).
 
 Trade-offs:
   + optimizer state (fp32 master, exp_avg, exp_avg_sq: 12 bytes/param) leaves the accelerator;
@@ -12,10 +13,14 @@ Trade-offs:
     CPU-only model, allocated on the first speculative step), and a rollback costs a pass over the state (rare
     by design: see ``clip_patience``);
   - gradients must be final when the post-accumulate-grad hook fires.  See [Note: speculation rules];
-  - the inf/NaN check (``skip_nonfinite``) is a read of each gradient torch's step does not make: the fused
-    kernel's ``found_inf`` only *skips* on a flag computed elsewhere, and a non-finite element destroys its m, v
-    (step-then-undo is not exact).  It rides on the clipping norm or the speculative worker (during backward)
-    where they run, and is its own pass otherwise; ``skip_nonfinite=False`` drops it.
+  + the inf/NaN check (``skip_nonfinite``) costs no read of its own: torch's fused kernel cannot make it (its
+    ``found_inf`` only *skips* on a flag computed elsewhere), so it rides on the clipping norm or the speculative
+    worker (during backward) where they run, and otherwise inside the step (``ops/_adamw_cpu``: torch's fused
+    arithmetic, an element whose gradient is inf/NaN left untouched, the count from the same pass);
+  - a step skipped for an inf/NaN the checked step only learns of afterwards (on another rank, or in a gradient no
+    speculation saw) is undone algebraically, like a rolled-back speculation: p within a few ulps, m and v exact
+    at step 1.  Where the kernel cannot be built (``adamw_cpu_kernel_status()``) the check is its own read of
+    each gradient before the step, and nothing is stepped then.
 
 [Note: speculation rules]
 1. Parameters change only inside ``step()`` and ``rollback()``: a speculative step updates the host master and
@@ -75,9 +80,9 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         weight_decay: decoupled weight decay, AdamW's. (Default: 0.01)
         max_grad_norm: clip the global gradient norm (all ranks) to this; None: no clipping. (Default: None)
         speculative: step each parameter on a CPU worker when its gradient is ready. (Default: True)
-        skip_nonfinite: skip the whole step when a gradient (on any rank) holds inf/NaN; False gives torch's
-            AdamW behaviour (NaN propagates) and saves the read of the gradients that the check costs when no
-            clipping needs the norm anyway. (Default: True)
+        skip_nonfinite: skip the whole step when a gradient (on any rank) holds inf/NaN (see the module
+            docstring for how exact the skip is); False gives torch's AdamW behaviour (NaN propagates).
+            (Default: True)
         clip_patience: pause speculation after this many clipped steps in a row. (Default: 3)
         process_group: group over which sharded norms and the inf/NaN flag are reduced. (Default: None = world)
         timeout_s: longest wait for one worker job before raising. (Default: 300)

@@ -77,6 +77,10 @@ MUTATIONS = {
         "optim/_adam_math.py", "adamw_rollback_",
         "            tensor[where] = kept", "            pass",
         ("tests/test_adamw_kernel.py::test_skipped_step_through_the_kernel_equals_the_skip_without_it",)),
+    "speculative_checked_keeps_inf_step": Mutation(
+        "optim/_speculation.py", "_speculate_checked",
+        "                adamw_rollback_(*args, hp, nonfinite_untouched=True)\n", "                pass\n",
+        ("tests/test_adamw_kernel.py::test_speculative_checked_steps_skip_an_inf_step_like_torch_skipping_it",)),
 }
 
 

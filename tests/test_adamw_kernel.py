@@ -142,3 +142,33 @@ def test_checked_step_is_what_cpu_adam_runs_by_default(monkeypatch):
         p.grad = torch.randn(100)
         opt.step()
         assert bool(calls) == expect_calls and opt.stats.skipped_steps == 0
+
+
+@pytest.mark.parametrize("inf_step", [0, 3])
+def test_speculative_checked_steps_skip_an_inf_step_like_torch_skipping_it(inf_step):
+    """Speculation without clipping runs the checked kernel on the worker during backward: an inf in the first
+    gradient to arrive halts it after undoing that gradient's finite elements (on the speculative copy, never the
+    parameter), and the run equals torch's AdamW that skips that step by hand."""
+    shapes = [(40, 3), (9,), (5, 5)]
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = CPUAdam(params, lr=1e-2, speculative=True)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01)
+    for k in range(6):
+        grads = [0.1 * torch.randn(s, generator=gen) for s in shapes]
+        if k == inf_step:
+            grads[-1] = grads[-1].clone()
+            grads[-1][2, 1] = math.inf  # hooks fire in reverse order: the last parameter's gradient comes first
+        opt.zero_grad()
+        sum((p * g).sum() for p, g in zip(params, grads)).backward()  # p.grad == g exactly, hooks fire
+        opt.step()
+        if k != inf_step:
+            for q, g in zip(ref, grads):
+                q.grad = g.clone()
+            ref_opt.step()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"], atol=1e-6, rtol=0)
+    assert opt.stats.skipped_steps == 1 and opt.stats.speculated_steps >= 4
+    opt.close()

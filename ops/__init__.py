@@ -1,8 +1,10 @@
-"""Kernels for shardtensor: Triton versions for CUDA tensors, torch references for the CPU.
+"""Kernels for shardtensor: Triton versions for CUDA tensors, torch references for the CPU, and the CPU AdamW step
+with its inf/NaN check inside (C, compiled on first use; ``adamw_cpu_kernel_status()`` says whether it runs).
 
 Importing this package never imports triton (see ``_int4.py``).
 """
 
+from ._adamw_cpu import adamw_checked_, adamw_checked_ref_, adamw_cpu_kernel_status
 from ._int4 import (
     QuantizedInt4,
     dequantize_int4,
@@ -21,6 +23,9 @@ from ._int4 import (
 )
 
 __all__ = [
+    "adamw_checked_",
+    "adamw_checked_ref_",
+    "adamw_cpu_kernel_status",
     "QuantizedInt4",
     "dequantize_int4",
     "dequantize_int4_ref",

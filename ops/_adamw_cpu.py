@@ -215,7 +215,10 @@ def _load() -> tuple[Optional[ctypes._CFuncPtr], str]:
     fn.argtypes = [ctypes.POINTER(ctypes.c_void_p)] * 4 + [
         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float),
         ctypes.c_int64, ctypes.POINTER(_Hyper), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
-    fn.shares_torch_openmp = not (_openmp_libraries() - before)  # else: a second runtime; run single-threaded
+    second = _openmp_libraries() - before
+    if second and torch.get_num_threads() > 1:  # its own thread pool would spin against torch's
+        return None, f"off: the compiled kernel loaded a second OpenMP runtime ({', '.join(sorted(second))})"
+    fn.shares_torch_openmp = not second
     return fn, "ok"
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from shardtensor.ops._adamw_cpu import adamw_checked_
+from shardtensor.ops import adamw_checked_
 
 from ._adam_math import Hyper, adamw_rollback_, adamw_step_
 from ._slots import Slot, hypers

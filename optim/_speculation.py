@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from shardtensor import _comm
-from shardtensor.ops._adamw_cpu import adamw_checked_
+from shardtensor.ops import adamw_checked_
 
 from ._adam_math import Hyper, adamw_rollback_, adamw_step_, hyper_of
 from ._slots import Slot, grad_key, host_grad, stage_grad

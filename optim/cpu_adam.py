@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from shardtensor.ops._adamw_cpu import adamw_cpu_kernel_status
+from shardtensor.ops import adamw_cpu_kernel_status
 
 from ._adam_math import finite_checks, hyper_of, sq_norms
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \

@@ -255,6 +255,9 @@ def adamw_checked_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
     The compiled kernel when it is available and every tensor is CPU fp32 contiguous; the torch reference
     (same results, three more passes) otherwise.
     """
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+        if not p.numel() == g.numel() == m.numel() == v.numel():  # the kernel would read past an end
+            raise ValueError(f"adamw_checked_: tensor #{i} has {p.numel()=} {g.numel()=} {m.numel()=} {v.numel()=}")
     fn = _kernel_or_none()
     tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs]
     if fn is None or not params or not _eligible(tensors):

@@ -172,3 +172,10 @@ def test_speculative_checked_steps_skip_an_inf_step_like_torch_skipping_it(inf_s
         torch.testing.assert_close(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"], atol=1e-6, rtol=0)
     assert opt.stats.skipped_steps == 1 and opt.stats.speculated_steps >= 4
     opt.close()
+
+
+def test_mismatched_lengths_are_refused_before_the_kernel_reads_past_an_end():
+    p, m, v = torch.zeros(16), torch.zeros(16), torch.zeros(16)
+    with pytest.raises(ValueError, match=r"tensor #0 has p.numel\(\)=16 g.numel\(\)=8"):
+        adamw_checked_([p], [torch.zeros(8)], [m], [v], [torch.tensor(1.0)], lr=1e-3, beta1=0.9, beta2=0.999,
+                       eps=1e-8, weight_decay=0.0)

@@ -2,7 +2,8 @@
 
 Head to head first, on two configurations in one run (``--configs``): ``single``, one 20M-element tensor, and
 ``gpt``, the 24 tensors of two GPT blocks (d=1024, 25M parameters).  For each, CPUAdam with its *default*
-arguments (speculative, inf/NaN check), CPUAdam's bare step (``skip_nonfinite=False``: no check, as torch) and
+arguments (speculative, inf/NaN check: inside the step when ``shardtensor.ops.adamw_cpu_kernel_status()`` is
+"ok", printed first), CPUAdam's bare step (``skip_nonfinite=False``: no check, torch's fused kernel) and
 torch's fused AdamW step the same parameters and gradients, each with its own state, in interleaved rounds (one
 step of each per round, the order rotated every round); the report gives each one's median and the median of
 the per-round ratios fused/CPUAdam with its spread (min, quartiles, max): on a shared machine step times drift
@@ -33,6 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from shardtensor.ops import adamw_cpu_kernel_status  # noqa: E402
 from shardtensor.optim import CPUAdam  # noqa: E402
 
 BYTES_PER_PARAM = 28  # fp32 p, g, m, v read; p, m, v written
@@ -151,7 +153,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    print(f"torch {torch.__version__}, {args.threads} threads, device={args.device}, load average {os.getloadavg()}")
+    print(f"torch {torch.__version__}, {args.threads} threads, device={args.device}, load average {os.getloadavg()}, "
+          f"checked CPU kernel: {adamw_cpu_kernel_status()}")
     heads = [head_to_head(c, args.device, args.rounds, hp) for c in args.configs.split(",") if c]
     if not args.table:
         out = args.out or os.path.join(os.path.dirname(__file__), "results", f"cpu_adam_head_to_head_{args.device}.json")
@@ -159,6 +162,7 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump(dict(command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                            threads=args.threads, load_average=os.getloadavg(), torch=torch.__version__,
+                           checked_kernel=adamw_cpu_kernel_status(),
                            hyper=dict(hp, betas=list(hp["betas"])), head_to_head=heads), f, indent=2)
         print(f"wrote {out}")
         return

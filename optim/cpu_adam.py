@@ -60,13 +60,14 @@ import torch
 from shardtensor.ops import adamw_cpu_kernel_status
 
 from ._adam_math import finite_checks, hyper_of, sq_norms
+from ._batched import BatchedStepsMixin
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
     local_of, self_mastered, stage_grad
-from ._batched import BatchedStepsMixin
 from ._speculation import SpecPhase, SpeculationMixin
 from .state_store import MOMENTS, HostStore, StateStore
 
 __all__ = ["CPUAdam", "SpeculationStats"]
+
 
 class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction) with its state in CPU memory; see the module docstring.

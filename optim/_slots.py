@@ -99,7 +99,7 @@ class Slot:
     hooks: int = 0
     queued: bool = False  # a speculative job was submitted this step
     spec_hp: Optional[Hyper] = None  # set by the worker when the speculative step was applied
-    grad_key: Optional[tuple] = None  # (data_ptr, version) of the gradient that was snapshotted
+    grad_key: Optional[tuple] = None  # grad_state() of the gradient that was snapshotted
     sumsq: Optional[float] = None
 
     def local(self) -> torch.Tensor:
@@ -132,6 +132,19 @@ class Slot:
                 "the core's reducer must set a sharded grad before the optimizer steps"
             )
         return g.to_local()
+
+    def grad_state(self) -> Optional[tuple]:
+        """Identifies the current gradient and the version of its content, to tell whether it changed since a
+        snapshot.  A sharded gradient adds its wrapper's (id, version): an in-place op through the wrapper
+        (``clip_grad_norm_``'s ``mul_``) reaches the local tensor inside ``__torch_dispatch__``, below autograd's
+        version counting, so only the wrapper's counter moves; the core's own writes to the local tensor move
+        only the local one."""
+        g = self.param.grad
+        if g is None:
+            return None
+        local = self.grad_local()
+        key = grad_key(local)
+        return key + (id(g), g._version) if self.sharded else key
 
     def reset_step(self) -> None:
         self.hooks = 0

@@ -24,7 +24,7 @@ from shardtensor import _comm
 from shardtensor.ops import adamw_checked_
 
 from ._adam_math import Hyper, adamw_rollback_, adamw_step_, hyper_of
-from ._slots import Slot, grad_key, host_grad, stage_grad
+from ._slots import Slot, host_grad, stage_grad
 
 __all__ = ["SpecPhase"]
 
@@ -106,7 +106,7 @@ class SpeculationMixin:
             self._d2h_stream = torch.cuda.Stream(device=g.device)
         with torch.no_grad():
             stage_grad(slot, g, self._pinned, self._d2h_stream if g.device.type == "cuda" else None)
-        slot.grad_key = grad_key(g)
+        slot.grad_key = slot.grad_state()
         slot.queued = True
         if self._phase is SpecPhase.IDLE:
             self._to_phase(SpecPhase.SPECULATING)

@@ -240,7 +240,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         """Undo speculations whatever the norm says: the gradient changed since its snapshot (rule 5), or the
         group's hyper-parameters did (rule 4).  Returns whether any was undone."""
         redo = [s for s in slots if s.spec_hp is not None
-                and (grad_key(s.grad_local()) != s.grad_key or hyper_of(s.group) != s.spec_hp)]
+                and (s.grad_state() != s.grad_key or hyper_of(s.group) != s.spec_hp)]
         if redo:
             self._undo_speculation(redo)
         return bool(redo)
@@ -277,7 +277,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         Nothing is stepped when this rank already knows the step is skipped: the speculative worker found an
         inf/NaN in a gradient that has not changed since, so the skip stays exact (no step, no rollback).
         """
-        if any(s.sumsq is not None and not math.isfinite(s.sumsq) and grad_key(s.grad_local()) == s.grad_key
+        if any(s.sumsq is not None and not math.isfinite(s.sumsq) and s.grad_state() == s.grad_key
                for s in rest):
             for s in rest:  # the verdict is known; the others' finiteness no longer matters
                 s.sumsq = math.inf if s.sumsq is None else s.sumsq
@@ -306,7 +306,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         self._write_back(slots, committed=[s for s in slots if id(s) not in stepped])
         used = [grads[id(s)] for s in slots]
         hps = step_hps if len(to_step) == len(slots) else hypers(slots)  # to_step is slots or a subset
-        self._last = LastStep(slots, used, hps, [grad_key(g) for g in used])
+        self._last = LastStep(slots, used, hps, [(grad_key(g), s.grad_state()) for g, s in zip(used, slots)])
 
     # ------------------------------------------------------------------ rollback, zero_grad, state
 
@@ -325,7 +325,8 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
                 "CPUAdam.rollback(): no step to undo (none yet, skipped, already undone, or its gradients were "
                 "released by zero_grad() / a new backward)"
             )
-        changed = [s.index for s, g, k in zip(last.slots, last.grads, last.grad_keys) if grad_key(g) != k]
+        changed = [s.index for s, g, k in zip(last.slots, last.grads, last.grad_keys)
+                   if (grad_key(g), s.grad_state()) != k]
         if changed:
             raise RuntimeError(f"CPUAdam.rollback(): gradients of parameters {changed} changed since step()")
         self._rollback_batched(last.slots, last.grads, last.hps, [s.master() for s in last.slots])

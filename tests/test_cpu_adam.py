@@ -440,3 +440,62 @@ def test_speculation_phases_are_asserted_and_a_state_store_is_the_seam():
     opt._phase = SpecPhase.IDLE
     for run in runs:
         run.opt.close()
+
+
+def _user_clip_case(gather: str) -> dict:
+    """The README's loop with CPUAdam: ``clip_grad_norm_`` by hand after backward, then ``opt.step()``.  The
+    speculative steps taken during backward used the unclipped gradients; the clip must be seen and the steps
+    redone.  Reference: the same sharded model under torch's AdamW."""
+    from shardtensor import shard_module
+    from shardtensor.optim import CPUAdam
+
+    runs = []
+    for make_opt in (lambda ps: CPUAdam(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32))
+        shard_module(model, gather=gather)
+        opt = make_opt(list(model.parameters()))
+        gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
+        norms = []
+        for _ in range(4):
+            x = torch.randint(0, 32, (8,), generator=gen)
+            nn.functional.cross_entropy(model(x), x).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            opt.step()
+            opt.zero_grad()
+        runs.append(([p.detach().to_local().clone() for p in model.parameters()], norms, opt))
+    (mine, norms, opt), (ref, _, _) = runs
+    out = dict(diff=max((a - b).abs().max().item() for a, b in zip(mine, ref)), norms=norms,
+               speculated=opt.stats.speculated_params)
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("gather", ["sequential", "overlapped"])
+def test_speculative_steps_see_a_clip_grad_norm_done_by_hand(gather):
+    for r in run_on_ranks(2, _user_clip_case, gather):
+        assert min(r["norms"]) > 0.5, r  # every step clipped (0.05): the unclipped steps would differ
+        assert r["speculated"] > 0, r
+        assert r["diff"] <= 1e-6, r
+
+
+def _local_versions_case() -> list:
+    from shardtensor import shard_module
+
+    model = shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+    model(torch.randn(3, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    seen = []
+    for write in (lambda: grads[0].mul_(0.5), lambda: torch._foreach_mul_(grads, 0.5),
+                  lambda: grads[0].copy_(grads[0] * 2),
+                  lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)):
+        before = grads[0].to_local()._version
+        write()
+        seen.append(grads[0].to_local()._version > before)
+    return seen
+
+
+def test_a_write_through_a_sharded_tensor_bumps_its_local_version():
+    """What CPUAdam's snapshot check reads (see [Note: writes through the wrapper are versioned on the shard])."""
+    for seen in run_on_ranks(2, _local_versions_case):
+        assert all(seen), seen

@@ -108,6 +108,21 @@ def _written_params(func, args, kwargs) -> list[ShardedParam]:
     return written
 
 
+def _mark_written(params) -> None:
+    """Bump the version counter of each written shard's local tensor.
+
+    [Note: writes through the wrapper are versioned on the shard]
+    Inside ``__torch_dispatch__`` an in-place op on ``_local`` runs below autograd's ADInplaceOrView layer, so it
+    does not bump ``_local``'s version counter; the wrapper's own counter moves for ``p.mul_(c)`` but not for the
+    ``_foreach_*`` ops (``clip_grad_norm_``'s ``_foreach_mul_``).  Code that asks whether a shard changed since it
+    last looked (CPUAdam's speculation: was the gradient clipped after it was snapshotted?) reads ``_local``'s
+    counter, so every write through the wrapper bumps it here.
+    """
+    locals_ = [p._local for p in params if type(p._local) is torch.Tensor]  # not fake shards under torch.compile
+    if locals_:
+        torch._C._increment_version(locals_)  # a list: one call (inference tensors, with no counter, are skipped)
+
+
 # ====================================================================== placement tests
 _BIJECTIVE_VIEWS = frozenset({
     aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,

@@ -19,8 +19,8 @@ import torch
 from .._full import gather_full
 from ..tensor import ShardedParam
 from ._common import (
-    _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _params_in,
-    _to_local, _wrap_like, _written_args, _written_params, aten, implements,
+    _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
+    _params_in, _to_local, _wrap_like, _written_args, _written_params, aten, implements,
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse
@@ -77,7 +77,9 @@ def _foreach_local(func, args, kwargs):
         if isinstance(value, torch.Tensor) and not isinstance(value, ShardedParam) and value.numel() != 1:
             _refuse(func, args, kwargs, f"a keyword tensor of shape {tuple(value.shape)} is not a scalar")
     out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
-    if out is None or _written_params(func, args, kwargs) and not isinstance(out, (list, tuple)):
+    written = _written_params(func, args, kwargs)
+    _mark_written(written)  # see [Note: writes through the wrapper are versioned on the shard]
+    if out is None or written and not isinstance(out, (list, tuple)):
         return out
     first = args[0]
     if isinstance(out, (list, tuple)) and isinstance(first, (list, tuple)) and len(out) == len(first):
@@ -126,7 +128,10 @@ def _local(func, args, kwargs):
         if first is not None and not (kwargs and any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values())) \
                 and (not written or (written == ((0, "self"),) and args[0] is first)):
             out = func(*locals_, **kwargs)
-            return args[0] if written else _wrap_like(first, out)
+            if written:
+                _mark_written((first,))  # see [Note: writes through the wrapper are versioned on the shard]
+                return args[0]
+            return _wrap_like(first, out)
     if traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
         return traced.run_traced(func, args, kwargs, _local)
     params = _params_in(args, kwargs)
@@ -140,6 +145,7 @@ def _local(func, args, kwargs):
     if _localizable(params) and _plain_tensors_ok(_leaves(args, kwargs), allow_scalars):
         out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
         if writes_shard:
+            _mark_written(written_params)
             return kwargs["out"] if "out" in kwargs else args[0]
         return _wrap_like(params[0], out)
     if writes_shard and not _backward_temporaries(written_params):  # those: compute() writes them back
@@ -160,6 +166,7 @@ def _copy(func, args, kwargs):
     if isinstance(src, ShardedParam):
         if src._layout == dst._layout and not src._views:
             dst._local.copy_(src._local)
+            _mark_written((dst,))
             return dst
         src = gather_full(src)
     if src.dim() == 0 or src.shape != dst.shape:
@@ -169,6 +176,7 @@ def _copy(func, args, kwargs):
                              f"!= parameter shape {tuple(dst.shape)}")
     with torch.no_grad():
         dst._layout.copy_own_rows(dst._local, src)
+    _mark_written((dst,))
     return dst
 
 
@@ -196,4 +204,5 @@ def _random_init(func, args, kwargs):
     full = torch.empty(self._layout.shape, dtype=self.dtype, device=self.device)
     func(full, *args[1:], **kwargs)
     self._layout.copy_own_rows(self._local, full)
+    _mark_written((self,))
     return self

@@ -195,6 +195,31 @@ def test_rollback_error_is_a_few_ulps():
     assert max(worst.values()) <= 4, figures
 
 
+def test_rollback_gives_back_exact_zero_moments_where_no_earlier_gradient_reached():
+    """Embedding rows no earlier batch used: m0 = v0 = 0.  The inverse recovers v0 = 0 exactly but m0 only within
+    ulps of (1 - b1)|g|, and m != 0 beside v = 0 would move the row by lr * m / eps at the next step (see
+    [Note: a zero second moment]): those moments must come back as exact zeros."""
+    gen = torch.Generator().manual_seed(3)
+    n = 4096
+    p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+    step = torch.tensor(0.0)
+    hp = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01)
+    unused = torch.rand(n, generator=gen) < 0.5
+    for k in range(2):
+        g = 0.01 * torch.randn(n, generator=gen)
+        if k == 0:
+            g[unused] = 0.0  # rows this first batch did not reach
+        step += 1
+        adamw_step_([p], [g], [m], [v], [step], hp)
+        if k == 0:  # AdamW left them exactly zero
+            assert torch.equal(m[unused], torch.zeros(int(unused.sum()))) and torch.equal(v[unused], m[unused])
+    adamw_rollback_([p], [g], [m], [v], [step], hp)  # undo the second step
+    m0, v0 = m.clone(), v.clone()
+    assert torch.equal(v0[unused], torch.zeros(int(unused.sum())))
+    assert torch.equal(m0[unused], torch.zeros(int(unused.sum())))
+    assert (m0[~unused] != 0).all()  # the rule touches only the zero-v elements
+
+
 def test_rollback_refuses_when_gradients_changed():
     (p,) = _params([(5,)], 0)
     opt = CPUAdam([p], speculative=False)

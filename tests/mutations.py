@@ -83,7 +83,7 @@ MUTATIONS = {
         ("tests/test_adamw_kernel.py::test_speculative_checked_steps_skip_an_inf_step_like_torch_skipping_it",)),
     "rollback_keeps_m_beside_zero_v": Mutation(
         "optim/_adam_math.py", "adamw_rollback_",
-        "                    mi.masked_fill_(vi == 0.0, 0.0)", "                    pass",
+        "                    mi.masked_fill_((vi == 0.0) & (mi.abs() <= ni), 0.0)", "                    pass",
         ("tests/test_cpu_adam.py::test_rollback_gives_back_exact_zero_moments_where_no_earlier_gradient_reached",)),
     "shard_writes_unversioned": Mutation(
         "shardtensor/_dispatch/_common.py", "_mark_written",

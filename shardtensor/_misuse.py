@@ -58,6 +58,17 @@ def refuse_other_ranks_shards(module: nn.Module, state_dict: dict, prefix: str, 
 
 
 # ------------------------------------------------------------------------------------------- at shard_module
+def refuse_plain_grad_in_unit(p) -> None:
+    """A unit adds its reduced rows to ``p.grad``; a hook that made it a full plain tensor is named here."""
+    if type(p.grad) is not type(p):
+        raise TypeError(
+            f"the gradient of sharded parameter {p._name!r} is a plain {type(p.grad).__name__} of shape "
+            f"{tuple(p.grad.shape)}, so its reduced rows have nowhere to go. A gradient hook (p.register_hook) "
+            "probably returned a full tensor: in a gather unit such a hook sees a zero placeholder, and the unit's "
+            "reduced gradient is added after it. Change gradients after backward() instead (p.grad is sharded: "
+            "p.grad.mul_(c), p.grad.to_local())")
+
+
 def refuse_before_sharding(module: nn.Module) -> None:
     """Checks that need the parameters as they are before ``shard_module`` replaces any of them."""
     _refuse_overlapping_parameters(module)

@@ -5,8 +5,7 @@ Per-op gathers are issued by the ops a rank runs, so a rank whose data decides w
 expert loop that calls only the experts its tokens were routed to) issues other collectives than its peers.
 A unit fixes that as FSDP2 does: its forward pre-hook gathers *all* its parameters (one collective per dtype:
 a flat buffer of the unit's shards, or on gloo each large parameter straight into its full tensor, see
-``_unit_buffers``), whatever the data, and ops inside find them in ``Gatherer.held``; the
-forward post-hook frees them.  Before the unit's backward (a hook on its outputs' gradients) they are gathered
+``_unit_buffers``), whatever the data, and ops inside find them in ``Gatherer.held``; the forward post-hook frees them.  Before the unit's backward (a hook on its outputs' gradients) they are gathered
 again, and after it (a node on its inputs, or the end of backward) they are freed and the unit's gradients
 are reduced together, in a fixed order, with zeros for a parameter this rank produced no gradient for.  A
 has-gradient flag per parameter travels in the same collective: a parameter no rank produced a gradient for
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _comm
+from . import _comm, _misuse
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
@@ -249,6 +248,7 @@ class _Unit:
             if p.grad is None:  # a copy: the shard may be rows of a full gradient (see [Note: direct gradients])
                 p.grad = ShardedParam(shard.clone(), p._layout, name=p._name)
             else:
+                _misuse.refuse_plain_grad_in_unit(p)
                 p.grad._local.add_(shard)
 
 

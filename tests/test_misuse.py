@@ -252,3 +252,17 @@ def test_state_dict_saved_on_rank0_is_refused_on_other_ranks_before_anything_is_
     assert "save_checkpoint" in message and "Nothing was copied" in message
     assert unchanged
     assert "cannot gather rank 0's shard" in sub_message and "save_checkpoint" in sub_message, sub_message
+
+
+def _hook_returns_full_case() -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    shardtensor.shard_module(model, gather="overlapped", units=[nn.Sequential])
+    inner = model[1][0].weight  # in a gather unit
+    inner.register_hook(lambda g: g + torch.zeros(tuple(g.shape)))  # a full plain tensor comes back
+    return _error_of(lambda: model(torch.randn(4, 6)).sum().backward())
+
+
+def test_gradient_hook_that_returns_a_full_tensor_in_a_unit_is_named():
+    for msg in run_on_ranks(2, _hook_returns_full_case):
+        assert "TypeError" in msg and "'1.0.weight'" in msg and "register_hook" in msg, msg

@@ -238,14 +238,16 @@ def _kernel_or_none() -> Optional[ctypes._CFuncPtr]:
 
 
 def _eligible(tensors: list[torch.Tensor]) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
 
 
 def _pointers(ts: list[torch.Tensor]):
     return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
 
 
-@torch.no_grad()
 def adamw_checked_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float,
                    beta2: float, eps: float, weight_decay: float) -> list[int]:

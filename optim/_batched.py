@@ -43,7 +43,11 @@ class BatchedStepsMixin:
         bad = [0] * len(slots)
         for idx in self._by_chunk(slots, lambda i: id(slots[i].group)):
             steps = [slots[i].step_t for i in idx]
-            torch._foreach_add_(steps, _ONE, alpha=1.0)  # the tensor overload: 3x cheaper than a Python scalar
+            if len(steps) <= 4:
+                for t in steps:  # a short list: the foreach op's fixed cost (about 15 us) is the larger
+                    t.add_(1.0)
+            else:
+                torch._foreach_add_(steps, _ONE, alpha=1.0)  # the tensor overload: 3x cheaper than a Python scalar
             lists = ([slots[i].master() for i in idx], [grads[i] for i in idx], [slots[i].exp_avg for i in idx],
                      [slots[i].exp_avg_sq for i in idx], steps)
             if checked:

@@ -196,10 +196,13 @@ def global_norm(slots: list[Slot], process_group: Any) -> tuple[bool, float]:
             sharded += slot.sumsq
         else:
             replicated += slot.sumsq
-    buf = torch.tensor([sharded, replicated, float(nonfinite)], dtype=torch.float64)
-    _comm.all_reduce(buf, process_group, op="sum")
-    total = float(buf[0]) + float(buf[1]) / _comm.world_size(process_group)
-    return float(buf[2]) == 0 and math.isfinite(total), math.sqrt(total) if math.isfinite(total) else math.inf
+    world = _comm.world_size(process_group)
+    if world > 1:
+        buf = torch.tensor([sharded, replicated, float(nonfinite)], dtype=torch.float64)
+        _comm.all_reduce(buf, process_group, op="sum", label="CPUAdam.step(): global gradient norm and inf/NaN count")
+        sharded, replicated, nonfinite = float(buf[0]), float(buf[1]), float(buf[2])
+    total = sharded + replicated / world
+    return nonfinite == 0 and math.isfinite(total), math.sqrt(total) if math.isfinite(total) else math.inf
 
 
 # ---------------------------------------------------------------------------------------------- staging

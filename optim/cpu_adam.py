@@ -301,7 +301,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         step_grads = [grads[id(s)] for s in to_step]
         if coef is not None:  # clip_grad_norm_'s rule and arithmetic
             torch._foreach_mul_(step_grads, coef)
-        step_hps, _ = self._step_batched(to_step, step_grads)
+        step_hps, _ = self._step_batched(to_step, step_grads) if to_step else ([], [])
         stepped = {id(s) for s in to_step} | {id(s) for s in stepped_before}
         self._write_back(slots, committed=[s for s in slots if id(s) not in stepped])
         used = [grads[id(s)] for s in slots]

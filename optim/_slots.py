@@ -135,10 +135,9 @@ class Slot:
 
     def grad_state(self) -> Optional[tuple]:
         """Identifies the current gradient and the version of its content, to tell whether it changed since a
-        snapshot.  A sharded gradient adds its wrapper's (id, version): an in-place op through the wrapper
-        (``clip_grad_norm_``'s ``mul_``) reaches the local tensor inside ``__torch_dispatch__``, below autograd's
-        version counting, so only the wrapper's counter moves; the core's own writes to the local tensor move
-        only the local one."""
+        snapshot.  The local tensor's counter moves on every write, through the wrapper too (the core bumps it:
+        [Note: writes through the wrapper are versioned on the shard]); a sharded gradient adds its wrapper's
+        (id, version), so a new wrapper around the same rows also counts as a change."""
         g = self.param.grad
         if g is None:
             return None

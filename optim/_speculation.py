@@ -145,6 +145,9 @@ class SpeculationMixin:
         with self._store.resident([slot.index]):
             slot.step_t.fill_(t)
             adamw_step_([slot.spec_master(self._pinned)], [g], [slot.exp_avg], [slot.exp_avg_sq], [slot.step_t], hp)
+        self._speculated(slot, hp)
+
+    def _speculated(self, slot: Slot, hp: Hyper) -> None:
         slot.spec_hp = hp
         self._spec_count += 1
         self.stats.speculated_params += 1
@@ -165,9 +168,7 @@ class SpeculationMixin:
                 self._halt()
                 return
         slot.sumsq = 0.0
-        slot.spec_hp = hp
-        self._spec_count += 1
-        self.stats.speculated_params += 1
+        self._speculated(slot, hp)
 
     @torch.no_grad()
     def _rollback_job(self, slot: Slot) -> None:

@@ -25,7 +25,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import _comm
+from . import _comm, _grad_landing
 
 _FIX_OPTIMIZER = "Fix: build the optimizer after shard_module (opt = torch.optim.X(model.parameters(), ...))."
 
@@ -192,6 +192,7 @@ def flush_deferred(grad_sync) -> None:
             param.grad = grad
         else:
             param.grad.add_(grad)
+        _grad_landing.gradient_landed(param)
 
 
 def _deferred_name(grad_sync, key: str) -> str:

@@ -18,16 +18,17 @@ takes only MoE layers, where a unit is needed for the right numbers.  An explici
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _comm, _misuse
+from . import _comm, _grad_landing, _misuse
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
+from ._unit_policy import UnitPolicy, select_units  # noqa: F401  (UnitPolicy: re-exported)
 from ._unit_buffers import (FlatGrads, FullsPool, complete_unit_gathers, finish_reductions, flat_dtype,
                             issue_unit_gathers, reduce_exact)
 from .tensor import ShardedParam
@@ -35,63 +36,6 @@ from .tensor import ShardedParam
 if TYPE_CHECKING:
     from .gather import Gatherer
     from .reduce import GradSync
-
-UnitPolicy = Union[None, bool, Sequence[type], Callable[[nn.Module], bool]]
-_CONTAINERS = (nn.ModuleList, nn.Sequential)
-
-
-def _data_dependent(module: nn.Module) -> bool:
-    """An MoE layer, whose forward uses the experts its data chooses: an expert list, or experts stacked in the
-    module's own parameters and indexed per expert (transformers' ``MixtralExperts``: a class named *Experts*)."""
-    own = "experts" in type(module).__name__.lower() and next(module.parameters(recurse=False), None) is not None
-    return own or any(isinstance(child, _CONTAINERS) and "expert" in name.lower()
-                      for name, child in module.named_children())
-
-
-def default_units(root: nn.Module, blocks: bool = True) -> list[nn.Module]:
-    """FSDP2's usual wrapping: each member of the outermost ``ModuleList``/``Sequential`` (a block; only with
-    ``blocks``), and any module with an expert list (an MoE layer) that is not already inside a unit."""
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if _data_dependent(module):
-            found.append(module)
-        elif isinstance(module, _CONTAINERS) and blocks:
-            found.extend(child for child in module.children() if any(True for _ in child.parameters()))
-        else:
-            for child in module.children():
-                visit(child)
-
-    visit(root)
-    return found
-
-
-def select_units(root: nn.Module, policy: UnitPolicy, blocks: bool = True) -> list[nn.Module]:
-    """The outermost modules ``policy`` names: module classes, or a callable ``module -> bool`` (FSDP2 style);
-    ``None``/``True``: ``default_units`` (blocks too where ``blocks``); ``False`` or ``()``: none."""
-    if policy is None or policy is True:
-        return default_units(root, blocks)
-    if policy is False:
-        return []
-    if isinstance(policy, (list, tuple, set, frozenset)):
-        classes = tuple(policy)
-        if not all(isinstance(c, type) for c in classes):
-            raise TypeError(f"shard_module: units={policy!r}; expected module classes or a callable")
-        policy = lambda m, _c=classes: isinstance(m, _c)  # noqa: E731
-    if not callable(policy):
-        raise TypeError(f"shard_module: units={policy!r}; expected module classes, a callable, None or False")
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if policy(module):
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(root)
-    return found
-
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's backward has produced their gradients."""
@@ -250,6 +194,7 @@ class _Unit:
             else:
                 _misuse.refuse_plain_grad_in_unit(p)
                 p.grad._local.add_(shard)
+            _grad_landing.gradient_landed(p)
 
 
 class UnitSet:
@@ -302,6 +247,7 @@ class UnitSet:
         unit, position = found
         self._queue_end_of_backward()
         unit.stash(position, grad, owned)
+        _grad_landing.placeholder_given(param)
         return ShardedParam(grad.new_zeros(param._layout.local_shape(), dtype=param.dtype), param._layout,
                             name=param._name)
 
@@ -353,6 +299,7 @@ class UnitSet:
                 for unit in self.units:
                     unit.reset()
                 self.in_flight.clear()
+                _grad_landing.forget_placeholders()
             self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 

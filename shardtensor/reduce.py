@@ -27,7 +27,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from . import _comm, _misuse
+from . import _comm, _grad_landing, _misuse
 from ._layout import ShardLayout
 from .tensor import ShardedParam
 
@@ -197,6 +197,7 @@ class GradSync:
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
                 self._defer(key, grad, (param, layout))
+                _grad_landing.placeholder_given(param)
                 return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, name=key)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed

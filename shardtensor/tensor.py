@@ -23,6 +23,7 @@ import torch
 from . import _comm, _compile
 from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
 from ._full import full_tensor_of
+from ._grad_landing import GuardedHook
 
 
 class ShardedParam(torch.Tensor):
@@ -103,6 +104,12 @@ class ShardedParam(torch.Tensor):
     def full_tensor(self) -> torch.Tensor:
         """The full tensor (views applied), gathered from all ranks.  Differentiable: grads flow back sharded."""
         return full_tensor_of(self)
+
+    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]):
+        """As ``torch.Tensor``'s, but the hook runs when this rank's *reduced* gradient shard is in ``.grad``:
+        where the reduction comes after AccumulateGrad (a gather unit, ``gradient_sync(model, False)``), that is
+        later, and AccumulateGrad's zero placeholder is not shown to it (see ``_grad_landing``)."""
+        return super().register_post_accumulate_grad_hook(GuardedHook(hook))
 
     # torch's own refusal ("not supported for tensor subclasses") names neither the way out nor the collective.
     def tolist(self):

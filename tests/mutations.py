@@ -90,6 +90,10 @@ MUTATIONS = {
         "    if locals_:\n", "    if False:\n",
         ("tests/test_cpu_adam.py::test_speculative_steps_see_a_clip_grad_norm_done_by_hand",
          "tests/test_cpu_adam.py::test_a_write_through_a_sharded_tensor_bumps_its_local_version")),
+    "hooks_run_on_placeholder": Mutation(
+        "shardtensor/_grad_landing.py", "placeholder_given",
+        "        _placeholders.add(id(param))\n", "        pass\n",
+        ("tests/test_grad_landing.py", "tests/test_cpu_adam.py::test_speculative_steps_of_unit_parameters_stand")),
 }
 
 

@@ -62,9 +62,10 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from shardtensor.launch import RankFailed, spawn_ranks  # noqa: E402
 
 CONFIGS = ["fsdp2", "deepspeed", "deepspeed-seq", "ddp", "local", "st-sequential", "st-overlapped", "st-auto",
-           "st-overlapped-persist", "st-overlapped-unchecked", "st-sequential-unchecked"]
-DEFAULT_CONFIGS = CONFIGS[:-3]
+           "st-overlapped-persist", "st-overlapped-unchecked", "st-sequential-unchecked", "st-overlapped-cpuadam"]
+DEFAULT_CONFIGS = CONFIGS[:-4]
 # "-unchecked": the cross-rank identity check off (set_divergence_check(False)), to price it in the same run.
+# "-cpuadam": shardtensor.optim.CPUAdam with its defaults (speculative steps during backward) instead of AdamW.
 # Optional peers: the module each needs, and how to get it (the ranks would fail on import otherwise).
 OPTIONAL = {"deepspeed": "deepspeed", "deepspeed-seq": "deepspeed"}
 INSTALL_HINT = {"deepspeed": "DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install --no-build-isolation deepspeed==0.19.8 "
@@ -161,7 +162,7 @@ def _wrap(model: torch.nn.Module, config: str, args: argparse.Namespace, device:
     if config.endswith("-persist"):  # biases and norm weights stay whole on every rank: no gathers for them
         kwargs["persist_numel"] = PERSIST_NUMEL
     shardtensor.set_divergence_check(not config.endswith("-unchecked"))
-    mode = config.removeprefix("st-").removesuffix("-persist").removesuffix("-unchecked")
+    mode = config.removeprefix("st-").removesuffix("-persist").removesuffix("-unchecked").removesuffix("-cpuadam")
     return shardtensor.shard_module(model, gather=mode, **kwargs)
 
 
@@ -191,7 +192,12 @@ def _trainer(model: torch.nn.Module, config: str, args: argparse.Namespace, devi
 
         return engine, ds_step
     module = _wrap(model, config, args, device)
-    opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.01)
+    if config.endswith("-cpuadam"):
+        from shardtensor.optim import CPUAdam
+
+        opt = CPUAdam(module.parameters(), lr=args.lr, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.01)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = module(x, y)
@@ -200,6 +206,7 @@ def _trainer(model: torch.nn.Module, config: str, args: argparse.Namespace, devi
         opt.zero_grad(set_to_none=True)
         return loss
 
+    step.optimizer = opt  # the report reads CPUAdam's speculation counters from it
     return module, step
 
 
@@ -346,6 +353,9 @@ def run_rank(config: str, args: argparse.Namespace) -> dict:
     }
     if config.startswith("st-"):
         out["gather_stats"] = shardtensor.gather_stats(module)
+    stats = getattr(getattr(step_fn, "optimizer", None), "stats", None)
+    if stats is not None:  # CPUAdam: how many steps' speculation stood
+        out["cpuadam_stats"] = dict(vars(stats))
     if profiler is not None:
         import io
         import pstats

@@ -1,31 +1,53 @@
-"""Post-accumulate-grad hooks of a sharded parameter run when its reduced gradient has landed in ``.grad``.
+"""A sharded parameter's gradient hooks run on its reduced gradient, also where the reduction lands late.
 
 [Note: gradient hooks run when the gradient lands]
-Where the reduction of a gradient is deferred (a gather unit reduces its parameters together after the unit's
-backward; ``gradient_sync(model, False)`` keeps full local gradients for a later backward), the parameter's
-AccumulateGrad receives a zero placeholder shard, and the reduced rows are added to ``.grad`` later.  A hook
-registered with ``register_post_accumulate_grad_hook`` (an optimizer stepping in backward, ``CPUAdam``'s
-speculative steps, a gradient logger) that ran at AccumulateGrad would read zeros: silently wrong numbers, or
-work that is always thrown away.  So, as FSDP2 runs these hooks after its reduce-scatter, a ``ShardedParam``
-registers every such hook behind a guard: the code that hands AccumulateGrad a placeholder marks the parameter
-(``placeholder_given``), the guard lets that one AccumulateGrad call pass without running the hook, and the code
-that adds the reduced rows to ``.grad`` runs the hooks (``gradient_landed``).  Either order is right: if the
-rows land before the placeholder's AccumulateGrad ran (the engine orders nodes, not hooks), the hooks run at the
-landing and the guard still swallows the placeholder's call.  Tensor hooks (``register_hook``) run before
-AccumulateGrad, on the placeholder, and cannot move: the README says so.
+Where the reduction of a gradient comes after autograd is done with the parameter (a gather unit reduces its
+parameters together after the unit's backward; ``gradient_sync(model, False)`` keeps full local gradients for a
+later backward), the parameter's AccumulateGrad receives a zero placeholder shard, and the reduced rows are added
+to ``.grad`` later.  A user's hook that ran on the placeholder would compute on zeros: an optimizer stepping in
+backward (``register_post_accumulate_grad_hook``) would step on nothing, ``CPUAdam``'s speculative steps would
+always be redone, a clamp (``register_hook``) would clamp zeros and let the real rows through unclamped.  Silently
+wrong numbers, so a ``ShardedParam`` registers both kinds of hook behind a guard:
+
+- the code that makes a placeholder (``zero_placeholder``) records it;
+- a guarded tensor hook handed that placeholder returns without calling the user's hook, and a guarded
+  post-accumulate-grad hook swallows the one AccumulateGrad call that stored it;
+- the code that adds the reduced rows calls ``run_tensor_hooks`` on this backward's reduced shard first (their
+  result is what is added), then ``gradient_landed`` after, which runs the post-accumulate-grad hooks.
+
+So every hook sees what it sees on a parameter whose reduction is immediate: the reduced shard, as a
+``ShardedParam`` (FSDP2 runs post-accumulate-grad hooks after its reduce-scatter the same way).  Either order of
+landing and AccumulateGrad is right: if the rows land first (the engine orders nodes, not hooks), the hooks run at
+the landing and the guard still swallows the placeholder's call.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-_placeholders: set[int] = set()  # id(parameter): AccumulateGrad's next hook call is for a zero placeholder
+_placeholders: dict[int, torch.Tensor] = {}  # id(placeholder) -> the placeholder: held, so its id is not reused
+_swallow: set[int] = set()  # id(parameter): AccumulateGrad's next post-accumulate hook call stores a placeholder
+_queued = [-1]  # the backward (graph task) whose end forgets them
 
 
-class GuardedHook:
-    """A user's post-accumulate-grad hook that skips the call for a placeholder (see the Note)."""
+class GuardedTensorHook:
+    """A user's ``register_hook`` hook, skipped for a placeholder and run when the reduced rows land."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable):
+        self.hook = hook
+
+    def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        if _placeholders.get(id(grad)) is grad:
+            return None
+        return self.hook(grad)
+
+
+class GuardedPostAccumulateHook:
+    """A user's ``register_post_accumulate_grad_hook`` hook, not run for the call that stores a placeholder."""
 
     __slots__ = ("hook",)
 
@@ -33,29 +55,58 @@ class GuardedHook:
         self.hook = hook
 
     def __call__(self, param: torch.Tensor) -> None:
-        if id(param) in _placeholders:
-            _placeholders.discard(id(param))  # this is AccumulateGrad storing the placeholder: wait for the rows
+        if id(param) in _swallow:
+            _swallow.discard(id(param))  # this is AccumulateGrad storing the placeholder: wait for the rows
             return
         self.hook(param)
 
 
-def _hooks(param: torch.Tensor) -> list:
-    return list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
+def _guarded(hooks, kind: type) -> list:
+    return [h for h in (hooks or {}).values() if isinstance(h, kind)]
 
 
-def placeholder_given(param: torch.Tensor) -> None:
-    """``param``'s AccumulateGrad is about to receive a zero placeholder: its hooks wait for the reduced rows."""
-    if any(isinstance(h, GuardedHook) for h in _hooks(param)):
-        _placeholders.add(id(param))
+def zero_placeholder(param, like: torch.Tensor):
+    """The zero shard handed to ``param``'s AccumulateGrad while its reduced rows are still to come."""
+    placeholder = type(param)(like.new_zeros(param._layout.local_shape(), dtype=param.dtype), param._layout,
+                              name=param._name)
+    _placeholders[id(placeholder)] = placeholder
+    task = torch._C._current_graph_task_id()
+    if task != -1 and task != _queued[0]:  # forgotten at the end of this backward: all stored by then
+        _queued[0] = task
+        torch.autograd.Variable._execution_engine.queue_callback(forget_placeholders)
+    if _guarded(getattr(param, "_post_accumulate_grad_hooks", None), GuardedPostAccumulateHook):
+        _swallow.add(id(param))
+    return placeholder
 
 
-def gradient_landed(param: torch.Tensor) -> None:
-    """The reduced rows are in ``param.grad``: run the hooks AccumulateGrad was kept from running."""
-    for hook in _hooks(param):
-        if isinstance(hook, GuardedHook):
-            hook.hook(param)
+def run_tensor_hooks(param, shard: torch.Tensor) -> torch.Tensor:
+    """``param``'s guarded ``register_hook`` hooks on this backward's reduced ``shard``, in order; their result."""
+    hooks = _guarded(getattr(param, "_backward_hooks", None), GuardedTensorHook)
+    if not hooks:
+        return shard
+    grad = type(param)(shard, param._layout, name=param._name)
+    for hook in hooks:
+        result = hook.hook(grad)
+        if result is None:
+            continue
+        if not isinstance(result, type(param)) or result._layout != param._layout or result.dtype != grad.dtype:
+            raise TypeError(
+                f"a gradient hook (register_hook) of sharded parameter {param._name!r} returned "
+                f"{type(result).__name__} of shape {tuple(result.shape)} {result.dtype}; it receives the reduced "
+                f"gradient as a sharded tensor ({type(param).__name__}, this rank's rows) and must return one like "
+                "it (g.clamp(-c, c), g * 0.5) or None. To edit the full gradient, do it after backward().")
+        grad = result
+    return grad._local
+
+
+def gradient_landed(param) -> None:
+    """The reduced rows are in ``param.grad``: run the post-accumulate-grad hooks AccumulateGrad did not run."""
+    for hook in _guarded(getattr(param, "_post_accumulate_grad_hooks", None), GuardedPostAccumulateHook):
+        hook.hook(param)
 
 
 def forget_placeholders() -> None:
-    """A backward that failed before its AccumulateGrad ran: no call is owed any more."""
+    """A backward ended (or failed): its placeholders are stored or gone, and no AccumulateGrad call is owed."""
     _placeholders.clear()
+    _swallow.clear()
+    _queued[0] = -1

@@ -63,10 +63,10 @@ def refuse_plain_grad_in_unit(p) -> None:
     if type(p.grad) is not type(p):
         raise TypeError(
             f"the gradient of sharded parameter {p._name!r} is a plain {type(p.grad).__name__} of shape "
-            f"{tuple(p.grad.shape)}, so its reduced rows have nowhere to go. A gradient hook (p.register_hook) "
-            "probably returned a full tensor: in a gather unit such a hook sees a zero placeholder, and the unit's "
-            "reduced gradient is added after it. Change gradients after backward() instead (p.grad is sharded: "
-            "p.grad.mul_(c), p.grad.to_local())")
+            f"{tuple(p.grad.shape)}, so its reduced rows have nowhere to go: a full tensor was put in .grad during "
+            "backward (by a hook registered through torch.Tensor.register_hook(p, ...) or by assignment), before "
+            "the gather unit's reduction landed. Use p.register_hook (its hooks run on the reduced, sharded "
+            "gradient), or change gradients after backward() (p.grad is sharded: p.grad.mul_(c), p.grad.to_local())")
 
 
 def refuse_before_sharding(module: nn.Module) -> None:

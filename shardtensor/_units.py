@@ -188,7 +188,7 @@ class _Unit:
         for p, shard, flag in zip(self.params, shards, flags.tolist()):
             if flag == 0:
                 continue  # no rank produced a gradient: .grad stays as it was (None in a first backward)
-            shard = shard.to(p.dtype)
+            shard = _grad_landing.run_tensor_hooks(p, shard.to(p.dtype))
             if p.grad is None:  # a copy: the shard may be rows of a full gradient (see [Note: direct gradients])
                 p.grad = ShardedParam(shard.clone(), p._layout, name=p._name)
             else:
@@ -247,9 +247,7 @@ class UnitSet:
         unit, position = found
         self._queue_end_of_backward()
         unit.stash(position, grad, owned)
-        _grad_landing.placeholder_given(param)
-        return ShardedParam(grad.new_zeros(param._layout.local_shape(), dtype=param.dtype), param._layout,
-                            name=param._name)
+        return _grad_landing.zero_placeholder(param, grad)
 
     def _pre_forward(self, unit: _Unit):
         def hook(module, args, kwargs):

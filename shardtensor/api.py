@@ -236,7 +236,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
     new._name = fqn
     gatherer.register(new)
     if new.requires_grad:
-        handles.append(new.register_hook(grad_sync.sharded_grad_hook(new, fqn)))
+        handles.append(torch.Tensor.register_hook(new, grad_sync.sharded_grad_hook(new, fqn)))
     return new
 
 

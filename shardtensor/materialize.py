@@ -140,7 +140,8 @@ def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.devic
         getattr(state.gatherer, "_index", {}).pop(id(meta_local), None)  # the meta shard is gone: no stale id
         state.gatherer.register(param)
         if param.requires_grad:
-            state.hook_handles.append(param.register_hook(state.grad_sync.sharded_grad_hook(param, fqn)))
+            hook = state.grad_sync.sharded_grad_hook(param, fqn)
+            state.hook_handles.append(torch.Tensor.register_hook(param, hook))
         return
     # 0-d, complex or non-floating: replicated, allocated whole
     real = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)

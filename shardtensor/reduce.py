@@ -197,8 +197,7 @@ class GradSync:
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
                 self._defer(key, grad, (param, layout))
-                _grad_landing.placeholder_given(param)
-                return ShardedParam(grad.new_zeros(layout.local_shape(), dtype=dtype), layout, name=key)
+                return _grad_landing.zero_placeholder(param, grad)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
             kept = self.units.take_grad(param, grad, owned) if self.units is not None else None

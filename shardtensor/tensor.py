@@ -23,7 +23,7 @@ import torch
 from . import _comm, _compile
 from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
 from ._full import full_tensor_of
-from ._grad_landing import GuardedHook
+from ._grad_landing import GuardedPostAccumulateHook, GuardedTensorHook
 
 
 class ShardedParam(torch.Tensor):
@@ -105,11 +105,16 @@ class ShardedParam(torch.Tensor):
         """The full tensor (views applied), gathered from all ranks.  Differentiable: grads flow back sharded."""
         return full_tensor_of(self)
 
+    def register_hook(self, hook: Callable[[torch.Tensor], Any]):
+        """As ``torch.Tensor``'s; the hook receives this backward's *reduced* gradient, a sharded tensor (this
+        rank's rows), and returns one like it or None.  Where the reduction lands after autograd is done with the
+        parameter (a gather unit, ``gradient_sync(model, False)``), it runs then (see ``_grad_landing``)."""
+        return super().register_hook(GuardedTensorHook(hook))
+
     def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]):
-        """As ``torch.Tensor``'s, but the hook runs when this rank's *reduced* gradient shard is in ``.grad``:
-        where the reduction comes after AccumulateGrad (a gather unit, ``gradient_sync(model, False)``), that is
-        later, and AccumulateGrad's zero placeholder is not shown to it (see ``_grad_landing``)."""
-        return super().register_post_accumulate_grad_hook(GuardedHook(hook))
+        """As ``torch.Tensor``'s; the hook runs when this rank's reduced gradient shard is in ``.grad``, which
+        in a gather unit or under ``gradient_sync(model, False)`` is after AccumulateGrad (see ``_grad_landing``)."""
+        return super().register_post_accumulate_grad_hook(GuardedPostAccumulateHook(hook))
 
     # torch's own refusal ("not supported for tensor subclasses") names neither the way out nor the collective.
     def tolist(self):

@@ -91,9 +91,13 @@ MUTATIONS = {
         ("tests/test_cpu_adam.py::test_speculative_steps_see_a_clip_grad_norm_done_by_hand",
          "tests/test_cpu_adam.py::test_a_write_through_a_sharded_tensor_bumps_its_local_version")),
     "hooks_run_on_placeholder": Mutation(
-        "shardtensor/_grad_landing.py", "placeholder_given",
-        "        _placeholders.add(id(param))\n", "        pass\n",
+        "shardtensor/_grad_landing.py", "zero_placeholder",
+        "        _swallow.add(id(param))\n", "        pass\n",
         ("tests/test_grad_landing.py", "tests/test_cpu_adam.py::test_speculative_steps_of_unit_parameters_stand")),
+    "tensor_hooks_run_on_placeholder": Mutation(
+        "shardtensor/_grad_landing.py", "__call__",
+        "        if _placeholders.get(id(grad)) is grad:\n            return None\n", "",
+        ("tests/test_grad_landing.py::test_gradient_hooks_see_the_reduced_gradient",)),
 }
 
 

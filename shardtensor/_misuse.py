@@ -184,7 +184,7 @@ def flush_deferred(grad_sync) -> None:
         if isinstance(where, ShardLayout):
             shard = grad_sync.strategy.reduce_grad(kept, where, key=key, dtype=param.dtype, owned=True,
                                                    overlap=False)
-            grad = ShardedParam(shard.to(param.dtype), where, name=key)
+            grad = ShardedParam(_grad_landing.run_tensor_hooks(param, shard.to(param.dtype)), where, name=key)
         else:
             _comm.all_reduce(kept, where, op="avg")
             grad = kept

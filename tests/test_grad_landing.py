@@ -120,3 +120,46 @@ def _optimizer_in_backward_case(gather: str) -> float:
 @pytest.mark.parametrize("gather", ["overlapped", "sequential"])
 def test_optimizer_in_backward_equals_the_usual_loop(gather):
     assert run_on_ranks(2, _optimizer_in_backward_case, gather) == [0.0, 0.0]
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, use_head: bool):
+        h = torch.tanh(self.body(x))
+        return self.head(h) if use_head else h
+
+
+def _flushed_case() -> dict:
+    """``head`` is used only in the deferred micro-batch: its gradient is reduced when the synced backward ends
+    (``flush_deferred``), and its hooks must run on that reduced gradient, once."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    reference = TwoHeads()
+    model = shardtensor.shard_module(copy.deepcopy(reference))
+    calls = {"tensor": 0, "post": 0}
+
+    def clamp(g):
+        calls["tensor"] += 1
+        return g.clamp(-CLAMP, CLAMP)
+
+    for p in model.head.parameters():
+        p.register_hook(clamp)
+        p.register_post_accumulate_grad_hook(lambda q: calls.__setitem__("post", calls["post"] + 1))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    x = torch.randn(world * 4, 8, generator=torch.Generator().manual_seed(2))
+    for use_head in (True, False):
+        with shardtensor.gradient_sync(model, not use_head):
+            model(x[rank * 4:(rank + 1) * 4], use_head).square().mean().backward()
+        reference(x, use_head).square().mean().backward()
+    off = max((p.grad.full_tensor() - q.grad.clamp(-CLAMP, CLAMP)).abs().max().item()
+              for p, q in zip(model.head.parameters(), reference.head.parameters()))
+    return dict(calls=calls, off=off)
+
+
+def test_hooks_of_a_gradient_flushed_at_the_end_of_a_synced_backward():
+    for r in run_on_ranks(2, _flushed_case):
+        assert r["calls"] == {"tensor": 2, "post": 2} and r["off"] < 1e-6, r  # weight and bias, once each

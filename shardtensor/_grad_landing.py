@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 _placeholders: dict[int, torch.Tensor] = {}  # id(placeholder) -> the placeholder: held, so its id is not reused
-_swallow: set[int] = set()  # id(parameter): AccumulateGrad's next post-accumulate hook call stores a placeholder
+_swallow: dict[int, int] = {}  # id(parameter) -> guarded hooks still to be called by the AccumulateGrad of a placeholder
 _queued = [-1]  # the backward (graph task) whose end forgets them
 
 
@@ -55,8 +55,12 @@ class GuardedPostAccumulateHook:
         self.hook = hook
 
     def __call__(self, param: torch.Tensor) -> None:
-        if id(param) in _swallow:
-            _swallow.discard(id(param))  # this is AccumulateGrad storing the placeholder: wait for the rows
+        left = _swallow.get(id(param), 0)
+        if left:  # this is AccumulateGrad storing the placeholder (each of its guarded hooks once): wait for the rows
+            if left == 1:
+                del _swallow[id(param)]
+            else:
+                _swallow[id(param)] = left - 1
             return
         self.hook(param)
 
@@ -74,8 +78,9 @@ def zero_placeholder(param, like: torch.Tensor):
     if task != -1 and task != _queued[0]:  # forgotten at the end of this backward: all stored by then
         _queued[0] = task
         torch.autograd.Variable._execution_engine.queue_callback(forget_placeholders)
-    if _guarded(getattr(param, "_post_accumulate_grad_hooks", None), GuardedPostAccumulateHook):
-        _swallow.add(id(param))
+    guarded = len(_guarded(getattr(param, "_post_accumulate_grad_hooks", None), GuardedPostAccumulateHook))
+    if guarded:
+        _swallow[id(param)] = guarded
     return placeholder
 
 

@@ -92,7 +92,7 @@ MUTATIONS = {
          "tests/test_cpu_adam.py::test_a_write_through_a_sharded_tensor_bumps_its_local_version")),
     "hooks_run_on_placeholder": Mutation(
         "shardtensor/_grad_landing.py", "zero_placeholder",
-        "        _swallow.add(id(param))\n", "        pass\n",
+        "        _swallow[id(param)] = guarded\n", "        pass\n",
         ("tests/test_grad_landing.py", "tests/test_cpu_adam.py::test_speculative_steps_of_unit_parameters_stand")),
     "tensor_hooks_run_on_placeholder": Mutation(
         "shardtensor/_grad_landing.py", "__call__",

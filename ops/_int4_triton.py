@@ -67,8 +67,8 @@ def _quantize_int4_kernel(
     HAS_ERROR: tl.constexpr,
     ERROR_BF16: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # (BLOCK_G,) group index in the row
+    row = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)  # (BLOCK_G,) group index in the row
     j = tl.arange(0, HALF_P2)  # (HALF_P2,) byte index in the group
     g_ok = g < n_groups
     pair = g[:, None] * (GROUP // 2) + j[None, :]  # (BLOCK_G, HALF_P2) byte index in the row
@@ -169,7 +169,9 @@ def quantize_rows_triton(
         return
     half_p2 = triton.next_power_of_2(group_size // 2)
     block_g = _block_groups(n_groups, half_p2)
-    grid = (rows, triton.cdiv(n_groups, block_g))
+    # The group blocks on axis 0, whose limit is 2^31 - 1: a 2^28-element row is 65536 blocks, one past the
+    # 65535 that CUDA allows on axis 1 ("invalid argument" at launch).  Rows are few (one per rank).
+    grid = (triton.cdiv(n_groups, block_g), rows)
     _quantize_int4_kernel[grid](
         x, error if error is not None else scales, packed, scales,
         cols, n_groups, packed.shape[1],

@@ -181,6 +181,8 @@ def build_control_group(group, timeout_s: float) -> None:
     if store is None:  # no default store (a custom launcher): the records stay on the data group
         return
     pg = group if group is not None else dist.group.WORLD
+    if dist.get_backend(pg) == "fake":  # one process plays every rank (torch's fake_pg): nothing to queue behind,
+        return                          # and its store cannot host a real gloo group
     name = getattr(pg, "group_name", "?")
     incarnation = _incarnations.get(name, 0)
     prefix = dist.PrefixStore(f"shardtensor/control/{name}/{incarnation}/", store)

@@ -16,7 +16,7 @@ the chain is replayed on the gathered base tensor when a compute op needs the da
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -52,18 +52,23 @@ class ShardedParam(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: ShardLayout, *, views: tuple = (), gatherer: Any = None,
-                name: str = "", requires_grad: bool = False) -> "ShardedParam":
+                name: str = "", requires_grad: bool = False, device: Optional[torch.device] = None) -> "ShardedParam":
         """The one constructor (keywords after the shard and its layout).  Not public API: use
-        ``shardtensor.shard_module`` or ``ShardedParam.from_full``."""
+        ``shardtensor.shard_module`` or ``ShardedParam.from_full``.
+
+        ``device`` is where autograd sees the tensor (Default: the shard's).  It differs from the shard's only
+        under ``CPUOffload``: the shard lives in host memory, the parameter and everything derived from it (its
+        views, its shard-wise results) stay on the GPU, because autograd's engine syncs streams by the devices it
+        recorded and aborts on a view that moved to the CPU."""
         shape, stride, offset = view_geometry(layout.shape, views) if views else (layout.shape, None, 0)
         if stride is None:
             self = torch.Tensor._make_wrapper_subclass(
-                cls, shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
+                cls, shape, dtype=local.dtype, device=device or local.device, requires_grad=requires_grad
             )
         else:
             self = torch.Tensor._make_wrapper_subclass(
                 cls, shape, strides=stride, storage_offset=offset,
-                dtype=local.dtype, device=local.device, requires_grad=requires_grad,
+                dtype=local.dtype, device=device or local.device, requires_grad=requires_grad,
             )
         self._local = local
         self._layout = layout
@@ -230,7 +235,7 @@ class ShardedParam(torch.Tensor):
     # spec), and a later gather checks that the live world is the saved one.  Views refuse to pickle.
     def __copy__(self) -> "ShardedParam":
         new = ShardedParam(self._local, self._layout, views=self._views, gatherer=self._gatherer, name=self._name,
-                           requires_grad=self.requires_grad)
+                           requires_grad=self.requires_grad, device=self.device)
         new.__dict__.update(self.__dict__)
         return new
 
@@ -243,7 +248,7 @@ class ShardedParam(torch.Tensor):
                 "deep-copied, as with plain tensors. Fix: deepcopy p.detach()."
             )
         new = ShardedParam(copy.deepcopy(self._local, memo), self._layout, views=self._views, name=self._name,
-                           requires_grad=self.requires_grad)
+                           requires_grad=self.requires_grad, device=self.device)
         memo[id(self)] = new
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)

@@ -94,6 +94,10 @@ MUTATIONS = {
         "shardtensor/_grad_landing.py", "zero_placeholder",
         "        _swallow[id(param)] = guarded\n", "        pass\n",
         ("tests/test_grad_landing.py", "tests/test_cpu_adam.py::test_speculative_steps_of_unit_parameters_stand")),
+    "views_move_to_the_shards_device": Mutation(
+        "shardtensor/_dispatch/views.py", "_view",
+        "name=self._name, device=self.device)", "name=self._name)",
+        ("tests/test_offload.py::test_tensors_derived_from_an_offloaded_parameter_stay_on_the_parameters_device",)),
     "tensor_hooks_run_on_placeholder": Mutation(
         "shardtensor/_grad_landing.py", "__call__",
         "        if _placeholders.get(id(grad)) is grad:\n            return None\n", "",

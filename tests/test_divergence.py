@@ -191,7 +191,7 @@ def shard_module_on_different_groups() -> dict:
     out = _outcome(lambda: shardtensor.shard_module(_Blocks(1), group=groups[dist.get_rank()]))
     dist.barrier()  # complete the exchange each rank left pending on the other's group
     other = groups[1 - dist.get_rank()]
-    dist.all_gather_single(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), group=other)
+    dist.all_gather_into_tensor(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), group=other)
     for g in groups:
         dist.destroy_process_group(g)
     return out

@@ -237,6 +237,31 @@ def test_cpu_offload_refuses_on_a_cpu_machine():
         shard_module(nn.Linear(4, 4), offload=object())
 
 
+def test_tensors_derived_from_an_offloaded_parameter_stay_on_the_parameters_device():
+    # Under CPUOffload the shard lives in host memory while the parameter stays on the GPU.  Its views (F.linear's
+    # t(weight)), aliases and shard-wise results must stay on the parameter's device: autograd records a view's
+    # device, and a view that moved to the CPU between GPU nodes aborted the backward on an H100 ("opt_ready_stream
+    # && opt_parent_stream INTERNAL ASSERT").  Without a GPU, a meta wrapper over a CPU shard stands in for it.
+    import copy
+
+    from shardtensor._layout import ShardLayout
+    from shardtensor.tensor import ShardedParam
+
+    torch.manual_seed(0)
+    away = torch.device("meta")
+    p = ShardedParam(torch.randn(4, 3), ShardLayout(torch.Size((4, 3)), 4, 0, 1, None), name="w", device=away,
+                     requires_grad=True)
+    derived = {"t": p.t(), "view": p.view(12), "detach": p.detach(), "copy": copy.copy(p), "unbind": p.unbind(0)[1]}
+    with torch.no_grad():
+        q = p.detach()
+        derived.update(mul=q * 2, empty_like=torch.empty_like(q), to_double=q.to(torch.float64),
+                       foreach=torch._foreach_mul([q], 2.0)[0])
+    for what, t in derived.items():
+        assert t.device == away, (what, t.device)
+    assert torch.equal(derived["mul"].to_local(), p.to_local() * 2)  # the shard-wise work ran on the host shard
+    assert derived["mul"].to_local().device.type == "cpu"
+
+
 # ---------------------------------------------------------------------------------------------- full disk (issue 19)
 class _DiskFull:
     """A writer for a disk with ``room`` bytes left (None: unlimited): a write that does not fit fails ENOSPC."""

@@ -18,7 +18,8 @@ from .compute import _Gathered, _unalias, compute
 def _identity_view(func, args, kwargs):
     # detach: nn.Parameter(...), AccumulateGrad and optimizers call it; it must not gather.
     self = args[0]
-    return ShardedParam(self._local, self._layout, views=self._views, gatherer=self._gatherer, name=self._name)
+    return ShardedParam(self._local, self._layout, views=self._views, gatherer=self._gatherer, name=self._name,
+                        device=self.device)
 
 
 def _freeze(x):
@@ -38,7 +39,7 @@ def _view(func, args, kwargs):
     if not _replayable(self._layout.shape, self._views + (step,)):
         return _view_as_copy(func, args, kwargs)
     return ShardedParam(self._local, self._layout, views=self._views + (step,), gatherer=self._gatherer,
-                        name=self._name)
+                        name=self._name, device=self.device)
 
 
 def _replayable(shape: torch.Size, views: tuple) -> bool:
@@ -73,6 +74,6 @@ def _multi_view(func, args, kwargs):
     frozen_args, frozen_kwargs = _freeze(list(args[1:])), tuple(sorted(kwargs.items()))
     return [
         ShardedParam(self._local, self._layout, views=self._views + (ViewStep(func, frozen_args, frozen_kwargs, i),),
-                     gatherer=self._gatherer, name=self._name)
+                     gatherer=self._gatherer, name=self._name, device=self.device)
         for i in range(len(meta))
     ]

@@ -62,10 +62,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from shardtensor.launch import RankFailed, spawn_ranks  # noqa: E402
 
 CONFIGS = ["fsdp2", "deepspeed", "deepspeed-seq", "ddp", "local", "st-sequential", "st-overlapped", "st-auto",
-           "st-overlapped-persist", "st-overlapped-unchecked", "st-sequential-unchecked", "st-overlapped-cpuadam"]
-DEFAULT_CONFIGS = CONFIGS[:-4]
+           "st-overlapped-persist", "st-overlapped-unchecked", "st-sequential-unchecked", "st-overlapped-cpuadam",
+           "zero3-floor"]
+DEFAULT_CONFIGS = CONFIGS[:8]
 # "-unchecked": the cross-rank identity check off (set_divergence_check(False)), to price it in the same run.
 # "-cpuadam": shardtensor.optim.CPUAdam with its defaults (speculative steps during backward) instead of AdamW.
+# "zero3-floor": the work no ZeRO-3 step can skip, with no library around it (see _zero3_floor_step).
 # Optional peers: the module each needs, and how to get it (the ranks would fail on import otherwise).
 OPTIONAL = {"deepspeed": "deepspeed", "deepspeed-seq": "deepspeed"}
 INSTALL_HINT = {"deepspeed": "DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install --no-build-isolation deepspeed==0.19.8 "
@@ -166,6 +168,50 @@ def _wrap(model: torch.nn.Module, config: str, args: argparse.Namespace, device:
     return shardtensor.shard_module(model, gather=mode, **kwargs)
 
 
+def _zero3_floor_step(model: torch.nn.Module, args: argparse.Namespace) -> Callable:
+    """The least work any ZeRO-3 step does, with no library around it: the local model's forward and backward; the
+    collectives ZeRO-3 cannot avoid, as FSDP2 buckets them (each block's parameters, and the rest's, all-gathered
+    before the forward and again before the backward; their gradients flattened and reduce-scattered); AdamW on
+    this rank's 1/world of them.  Nothing overlaps and nothing is copied into the parameters (the local model
+    already holds them), so its step time is not a floor for wall time, but its CPU time is one here: gloo's
+    copies cost CPU seconds whether or not they overlap compute.  It trains only the local model: its loss is the
+    local run's and its memory means nothing."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    groups = [list(block.parameters()) for block in model.blocks]
+    in_blocks = {id(p) for group in groups for p in group}
+    groups.insert(0, [p for p in model.parameters() if id(p) not in in_blocks])
+    buckets = []  # (parameters, numel, this rank's shard, the gathered full bucket, the flat gradient)
+    for params in groups:
+        numel = sum(p.numel() for p in params)
+        per_rank = -(-numel // world)
+        buckets.append((params, numel, torch.zeros(per_rank), torch.empty(per_rank * world),
+                        torch.zeros(per_rank * world)))
+    shards = [torch.nn.Parameter(torch.zeros(b[2].numel())) for b in buckets]
+    opt = torch.optim.AdamW(shards, lr=args.lr, weight_decay=0.01)
+
+    def gather_all() -> None:
+        for _, _, shard, full, _ in buckets:
+            dist.all_gather_into_tensor(full, shard)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        gather_all()
+        loss = model(x, y)
+        gather_all()
+        loss.backward()
+        for (params, numel, _, _, flat), shard in zip(buckets, shards):
+            torch.cat([p.grad.reshape(-1) for p in params], out=flat[:numel])
+            shard.grad = torch.empty_like(shard)
+            dist.reduce_scatter_tensor(shard.grad, flat)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 def _deepspeed_config(config: str, batch: int) -> dict:
     zero = {"stage": 3}
     if config == "deepspeed-seq":
@@ -191,6 +237,8 @@ def _trainer(model: torch.nn.Module, config: str, args: argparse.Namespace, devi
             return loss
 
         return engine, ds_step
+    if config == "zero3-floor":
+        return model, _zero3_floor_step(model, args)
     module = _wrap(model, config, args, device)
     if config.endswith("-cpuadam"):
         from shardtensor.optim import CPUAdam

@@ -164,7 +164,9 @@ def _wrap(model: torch.nn.Module, config: str, args: argparse.Namespace, device:
     if config.endswith("-persist"):  # biases and norm weights stay whole on every rank: no gathers for them
         kwargs["persist_numel"] = PERSIST_NUMEL
     shardtensor.set_divergence_check(not config.endswith("-unchecked"))
-    mode = config.removeprefix("st-").removesuffix("-persist").removesuffix("-unchecked").removesuffix("-cpuadam")
+    mode = config.removeprefix("st-")
+    for suffix in ("-persist", "-unchecked", "-cpuadam"):
+        mode = mode.removesuffix(suffix)
     return shardtensor.shard_module(model, gather=mode, **kwargs)
 
 
@@ -191,9 +193,12 @@ def _zero3_floor_step(model: torch.nn.Module, args: argparse.Namespace) -> Calla
     shards = [torch.nn.Parameter(torch.zeros(b[2].numel())) for b in buckets]
     opt = torch.optim.AdamW(shards, lr=args.lr, weight_decay=0.01)
 
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's names
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
     def gather_all() -> None:
         for _, _, shard, full, _ in buckets:
-            dist.all_gather_into_tensor(full, shard)
+            all_gather(full, shard)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         gather_all()
@@ -203,7 +208,7 @@ def _zero3_floor_step(model: torch.nn.Module, args: argparse.Namespace) -> Calla
         for (params, numel, _, _, flat), shard in zip(buckets, shards):
             torch.cat([p.grad.reshape(-1) for p in params], out=flat[:numel])
             shard.grad = torch.empty_like(shard)
-            dist.reduce_scatter_tensor(shard.grad, flat)
+            reduce_scatter(shard.grad, flat)
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)

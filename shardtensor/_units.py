@@ -11,18 +11,9 @@ are reduced together, in a fixed order, with zeros for a parameter this rank pro
 has-gradient flag per parameter travels in the same collective: a parameter no rank produced a gradient for
 keeps ``grad=None``, as in the unsharded model (so AdamW does not decay an expert nobody used).
 
-A parameter shared outside its unit (tied weights) is left to an enclosing unit.  Default units: overlapped and
-auto take FSDP2's wrapping (one collective per block and direction, not per parameter, and the root unit below);
-sequential mode (lowest peak) takes only MoE layers, where a unit is needed for the right numbers.  An explicit
-``units=`` applies always, and alone.
-
-[Note: the root unit]
-What the blocks leave (the embeddings, tied or not, the final norm, the head) would otherwise be gathered per op:
-a tied embedding twice in forward and twice in backward, each a collective and an identity check of its own.  As
-FSDP2's ``fully_shard(root)`` does, they form one more unit, of the root module, gathered at the root's forward
-and again at the start of backward, held around the blocks, and reduced at the end of backward in one
-collective.  It costs their full size held through the forward and the backward (a GPT's tied embedding: a few
-MiB), and only exists where block units do: without them it would gather the whole model at once.
+A parameter shared outside its unit (tied weights) keeps per-op gathers.  Default units: overlapped and auto
+take FSDP2's wrapping (one collective per block and direction, not per parameter); sequential mode (lowest peak)
+takes only MoE layers, where a unit is needed for the right numbers.  An explicit ``units=`` applies always.
 """
 
 from __future__ import annotations
@@ -209,10 +200,8 @@ class _Unit:
 class UnitSet:
     """The units of one ``shard_module`` call, and the hooks that drive them."""
 
-    def __init__(self, root: nn.Module, modules: list[nn.Module], gatherer: Gatherer, grad_sync: GradSync,
-                 root_unit: bool = False):
-        self.units: list[_Unit] = []  # the root unit (if any) first, then the others in module order
-        self.root: Optional[_Unit] = None  # see [Note: the root unit]
+    def __init__(self, root: nn.Module, modules: list[nn.Module], gatherer: Gatherer, grad_sync: GradSync):
+        self.units: list[_Unit] = []
         self.of_param: dict[int, tuple[_Unit, int]] = {}  # id(parameter) -> (unit, position)
         self.gatherer = gatherer
         self.pool = FullsPool()
@@ -223,35 +212,23 @@ class UnitSet:
             uses[id(p)] = uses.get(id(p), 0) + 1
         names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
         for module in modules:
-            self._add(module, names.get(id(module)) or type(module).__name__, uses, gatherer, grad_sync)
-        if root_unit and self.units and root not in modules:
-            self.root = self._add(root, type(root).__name__, uses, gatherer, grad_sync, dim0_only=True)
-            if self.root is not None:
-                self.units.insert(0, self.units.pop())
-
-    def _add(self, module: nn.Module, name: str, uses: dict, gatherer: Gatherer, grad_sync: GradSync,
-             dim0_only: bool = False) -> Optional[_Unit]:
-        """A unit of ``module``'s sharded parameters that no earlier unit holds and nothing outside it uses
-        (``dim0_only``: the root's, whose owner-placed parameters keep their prefetched per-op broadcasts)."""
-        params, seen = [], set()
-        inner: dict[int, int] = {}
-        for _, p in module.named_parameters(remove_duplicate=False):
-            inner[id(p)] = inner.get(id(p), 0) + 1
-        for p in module.parameters():
-            if isinstance(p, ShardedParam) and id(p) not in seen and inner[id(p)] == uses.get(id(p)) \
-                    and p._gatherer is gatherer and id(p) not in self.of_param \
-                    and (not dim0_only or type(p._layout) is ShardLayout):
-                seen.add(id(p))
-                params.append(p)
-        if not params:
-            return None
-        unit = _Unit(name, params, gatherer, grad_sync)
-        unit.pool, unit.in_flight = self.pool, self.in_flight
-        for i, p in enumerate(params):
-            self.of_param[id(p)] = (unit, i)
-        self.units.append(unit)
-        module._shardtensor_unit = unit
-        return unit
+            params, seen = [], set()
+            inner: dict[int, int] = {}
+            for _, p in module.named_parameters(remove_duplicate=False):
+                inner[id(p)] = inner.get(id(p), 0) + 1
+            for p in module.parameters():
+                if isinstance(p, ShardedParam) and id(p) not in seen and inner[id(p)] == uses.get(id(p)) \
+                        and p._gatherer is gatherer and id(p) not in self.of_param:
+                    seen.add(id(p))
+                    params.append(p)
+            if not params:
+                continue
+            unit = _Unit(names.get(id(module), type(module).__name__), params, gatherer, grad_sync)
+            unit.pool, unit.in_flight = self.pool, self.in_flight
+            for i, p in enumerate(params):
+                self.of_param[id(p)] = (unit, i)
+            self.units.append(unit)
+            module._shardtensor_unit = unit
 
     def attach(self, modules: list[nn.Module], handles: list) -> None:
         for module in modules:
@@ -331,15 +308,9 @@ class UnitSet:
             neighbour.prefetch()
 
     def _next_overlapped(self, unit: _Unit, step: int) -> Optional[_Unit]:
-        """The next unit this way, in overlapped mode; None in sequential mode (lowest peak: no prefetch, no reuse).
-        The root unit is held around all the others: after it come the first (forward) and the last (backward)."""
-        if self.gatherer.reduce_overlap_bytes() <= 0:
-            return None
-        inner = self.units[1:] if self.root is not None else self.units
-        if unit is self.root:
-            return (inner[0] if step > 0 else inner[-1]) if inner else None
-        k = inner.index(unit) + step
-        return inner[k] if 0 <= k < len(inner) else None
+        """The next unit this way, in overlapped mode; None in sequential mode (lowest peak: no prefetch, no reuse)."""
+        k = self.units.index(unit) + step
+        return self.units[k] if self.gatherer.reduce_overlap_bytes() > 0 and 0 <= k < len(self.units) else None
 
     def step_begin(self, *args) -> None:
         """Root forward: prefetches nobody used (the order changed) are completed and dropped."""
@@ -364,12 +335,11 @@ class UnitSet:
 def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_sync: GradSync,
                  handles: list) -> Optional[UnitSet]:
     """Build the units ``policy`` selects and hook them up (none in a world of one: nothing to gather)."""
-    blocks = gatherer.mode is not GatherMode.SEQUENTIAL
-    modules = select_units(root, policy, blocks=blocks)
-    units = UnitSet(root, modules, gatherer, grad_sync, root_unit=blocks and policy in (None, True))
+    modules = select_units(root, policy, blocks=gatherer.mode is not GatherMode.SEQUENTIAL)
+    units = UnitSet(root, modules, gatherer, grad_sync)
     if not units.units or all(u.params[0]._layout.world == 1 for u in units.units):
         return None
-    handles.append(root.register_forward_pre_hook(units.step_begin))  # before the root unit's own hook
-    units.attach(modules + ([root] if units.root is not None else []), handles)
+    handles.append(root.register_forward_pre_hook(units.step_begin))  # before a root unit's own hook
+    units.attach(modules, handles)
     grad_sync.units = units
     return units

@@ -197,8 +197,7 @@ def test_a_failed_backward_leaves_no_half_reduced_gradients():
 def gatherer_bookkeeping_sizes(steps: int) -> int:
     import shardtensor
 
-    # units=False: every gather is a per-op gather, whose buffers the accounting follows (units hold their own)
-    model = shardtensor.shard_module(_gpt(), gather="overlapped", units=False)
+    model = shardtensor.shard_module(_gpt(), gather="overlapped")
     for i in range(steps):
         x, y = _tokens(i)
         model(x, y).backward()

@@ -9,7 +9,10 @@ Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
     (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``);
   - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe);
   - ``local-eager`` / ``local-compiled``: the unsharded model on every rank, no collective at all: the floor, and
-    what compiling gains on the compute alone (on a CPU whose step is mostly matmuls: little).
+    what compiling gains on the compute alone (on a CPU whose step is mostly matmuls: little);
+  - ``zero3-floor`` / ``zero3-floor-compiled`` (not in the default set): the local model, eager or compiled, plus
+    the collectives no ZeRO-3 step can skip and AdamW on this rank's share (``bench_peers._zero3_floor_step``):
+    what a compiled sharded step could reach if the library cost nothing and nothing overlapped.
 
 Step time is the median of the timed steps (after ``--warmup`` steps, which include compilation); peak is the
 process's peak RSS growth over the mark taken before the model is built (CPU: includes compiler memory); step peak
@@ -33,16 +36,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_peers import _memory_mark, _memory_peak, add_model_args  # noqa: E402
+from bench_peers import _memory_mark, _memory_peak, _zero3_floor_step, add_model_args  # noqa: E402
 from shardtensor.launch import spawn_ranks  # noqa: E402
 
 CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-bucketed", "fsdp2-compiled", "local-eager",
            "local-compiled"]
+FLOORS = ["zero3-floor", "zero3-floor-compiled"]
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS + FLOORS)
     p.add_argument("--world", type=int, default=2)
     add_model_args(p)  # the GPT of bench_peers.py
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation happens here)")
@@ -56,8 +60,8 @@ def _build(config: str, model: torch.nn.Module, world: int):
     """(module whose parameters the optimizer steps, callable that runs the forward)."""
     import shardtensor
 
-    if config.startswith("local-"):
-        return model, torch.compile(model) if config == "local-compiled" else model
+    if config.startswith("local-") or config.startswith("zero3-floor"):
+        return model, torch.compile(model) if config.endswith("-compiled") else model
     if config.startswith("st-"):
         shardtensor.shard_module(model, gather="sequential" if config == "st-eager-seq" else "overlapped")
         if config == "st-compiled-bucketed":
@@ -113,16 +117,21 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
                               n_head=args.heads, n_embd=args.dim))
         model, run = _build(config, model, world)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        # the floor steps its own AdamW on this rank's share, around the (compiled) local model
+        floor = _zero3_floor_step(run, argparse.Namespace(lr=1e-3)) if config.startswith("zero3-floor") else None
         times, losses = [], []
 
         def step() -> None:
             x, y = get_batch(corpus, args.batch, args.block, gen)
             dist.barrier()
             start = time.perf_counter()
-            loss = run(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            if floor is not None:
+                loss = floor(x, y)
+            else:
+                loss = run(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
 

@@ -23,11 +23,15 @@ the landing and the guard still swallows the placeholder's call.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
 
-_placeholders: dict[int, torch.Tensor] = {}  # id(placeholder) -> the placeholder: held, so its id is not reused
+# id(placeholder) -> a weak reference to it.  Weak, so that AccumulateGrad can take the placeholder itself as
+# ``.grad`` (it steals a gradient nobody else references; held here, it was cloned: an allocation, a copy and two
+# dispatched ops per parameter and backward); a dead reference never matches, so a reused id is harmless.
+_placeholders: dict[int, weakref.ref] = {}
 _swallow: dict[int, int] = {}  # id(parameter) -> guarded hooks still to be called by the AccumulateGrad of a placeholder
 _queued = [-1]  # the backward (graph task) whose end forgets them
 
@@ -41,7 +45,8 @@ class GuardedTensorHook:
         self.hook = hook
 
     def __call__(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        if _placeholders.get(id(grad)) is grad:
+        ref = _placeholders.get(id(grad))
+        if ref is not None and ref() is grad:
             return None
         return self.hook(grad)
 
@@ -73,7 +78,7 @@ def zero_placeholder(param, like: torch.Tensor):
     """The zero shard handed to ``param``'s AccumulateGrad while its reduced rows are still to come."""
     placeholder = type(param)(like.new_zeros(param._layout.local_shape(), dtype=param.dtype), param._layout,
                               name=param._name)
-    _placeholders[id(placeholder)] = placeholder
+    _placeholders[id(placeholder)] = weakref.ref(placeholder)
     task = torch._C._current_graph_task_id()
     if task != -1 and task != _queued[0]:  # forgotten at the end of this backward: all stored by then
         _queued[0] = task

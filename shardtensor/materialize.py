@@ -53,7 +53,7 @@ def materialize(
     """
     state = _sharding_state(module)
     if init_fn is None:
-        _refuse_parameters_no_reset_initialises(module)
+        _refuse_what_no_reset_initialises(module)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -97,7 +97,7 @@ def _post_order(module: nn.Module, seen: Optional[set] = None):
     yield module
 
 
-def _refuse_parameters_no_reset_initialises(module: nn.Module) -> None:
+def _refuse_what_no_reset_initialises(module: nn.Module) -> None:
     """A meta parameter whose module and ancestors all lack a reset method would stay all zeros (its values
     were drawn inline in an ``__init__`` that never ran for real): refuse before anything is allocated."""
     covered: set[int] = set()
@@ -112,14 +112,30 @@ def _refuse_parameters_no_reset_initialises(module: nn.Module) -> None:
             if child is not None:
                 walk(child, f"{prefix}{name}.", has)
 
+    def buffers(mod: nn.Module, prefix: str, inherited: bool) -> list[str]:
+        has = inherited or _reset_method(mod) is not None
+        found = [] if has else [prefix + n for n, b in mod._buffers.items() if b is not None and b.is_meta]
+        for name, child in mod._modules.items():
+            if child is not None:
+                found += buffers(child, f"{prefix}{name}.", has)
+        return found
+
     walk(module, "", False)
     missing = [name for key, name in orphans.items() if key not in covered]
+    if not missing and (unset := buffers(module, "", False)):
+        raise ValueError(
+            f"materialize: meta buffer {unset[0]!r} (of {len(unset)} such: {', '.join(map(repr, unset[:4]))}) belongs "
+            "to modules without reset_parameters() or _reset_parameters(): its values were computed in an __init__ "
+            "that ran on the meta device (position ids, rotary frequencies), so it would stay all zeros. Fix: pass "
+            "materialize(model, init_fn) with an init_fn that sets it (for a Hugging Face model, the model's own "
+            "init: lambda m: m.apply(m._init_weights), if it sets buffers), or build that module off the meta device.")
     if missing:
         raise ValueError(
             f"materialize: meta parameter {missing[0]!r} (of {len(missing)} such) belongs to modules without "
             "reset_parameters() or _reset_parameters(), so nothing can draw its initial values (they came from code "
             "in an __init__ that ran on the meta device) and it would stay all zeros. Fix: pass "
-            "materialize(model, init_fn) with an init_fn that initialises it (e.g. lambda m: nn.init.normal_(m.pos))."
+            "materialize(model, init_fn) with an init_fn that initialises it (e.g. lambda m: nn.init.normal_(m.pos); "
+            "for a Hugging Face model, its own init: lambda m: m.apply(m._init_weights))."
         )
 
 

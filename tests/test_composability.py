@@ -189,6 +189,38 @@ def test_meta_init_allocates_shards_and_draws_unsharded_values():
         assert r["peak"] < r["full"] / 2, r
 
 
+def padding_rows_case(vocab: int, padding_idx: int) -> dict:
+    """nn.Embedding(padding_idx=...) built on meta and materialized: its reset_parameters() zeroes the padding row
+    through a row view; and writes through dim-0 row views done by hand, against the unsharded tensor."""
+    torch.manual_seed(11)
+    reference = nn.Sequential(nn.Embedding(vocab, 3, padding_idx=padding_idx), nn.Linear(3, 2))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(vocab, 3, padding_idx=padding_idx), nn.Linear(3, 2))
+    shardtensor.shard_module(model)
+    torch.manual_seed(11)
+    shardtensor.materialize(model, device="cpu")
+    full = shardtensor.full_state_dict(model)
+    same_init = all(torch.equal(v, reference.state_dict()[k]) for k, v in full.items())
+    padding_row_zero = bool((full["0.weight"][padding_idx] == 0).all())
+    w, ref = model[0].weight, reference[0].weight
+    with torch.no_grad():
+        for target in (w, ref):
+            target[-1].fill_(2.5)
+            target[1:vocab - 1:1].mul_(3.0)
+            target[vocab // 2:].add_(1.0)
+    same_writes = torch.equal(w.full_tensor(), ref)
+    return {"same_init": same_init, "same_writes": same_writes, "padding_row_zero": padding_row_zero}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_writes_through_row_views_land_on_the_rows_owner(world):
+    # BERT's word embeddings have padding_idx=0: their reset_parameters() (and Hugging Face's init) zero that row
+    # through weight[padding_idx]; materialize() refused it before.  Rows on every rank, first, middle and last.
+    for vocab, padding_idx in [(9, 0), (9, 4), (10, 9)]:
+        for out in run_on_ranks(world, padding_rows_case, vocab, padding_idx):
+            assert out == {"same_init": True, "same_writes": True, "padding_row_zero": True}, (vocab, padding_idx, out)
+
+
 # ---------------------------------------------------------------------------------------------- no_sync
 def no_sync_case(micro: int) -> tuple:
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -51,8 +51,10 @@ def test_repr_on_ranks_reports_the_local_rows():
 def test_inplace_op_that_cannot_run_on_shards_names_the_op():
     model = shardtensor.shard_module(nn.Linear(4, 3))
     with torch.no_grad():
-        with pytest.raises(ShardedOpError, match=r"aten\.index_put_|aten\.index_fill_|weight"):
-            model.weight[0] = 1.0  # a slice assignment: not a shard-wise op
+        model.weight[0] = 1.0  # a row assignment lands on the row's owner (``weight[padding_idx].zero_()``)
+        assert torch.equal(model.weight.full_tensor()[0], torch.ones(4))
+        with pytest.raises(ShardedOpError, match=r"aten\.(index_put_|index_fill_|fill_|copy_)|weight"):
+            model.weight[:, 0] = 1.0  # a column assignment: not run shard-wise
         with pytest.raises(ShardedOpError, match=r"aten\.add_"):
             model.weight.add_(torch.ones(3, 4))  # full plain operand: which rank's copy would it be?
         with pytest.raises(ShardedOpError, match=r"aten\.addmm_"):

@@ -148,6 +148,39 @@ def test_materialize_refuses_a_parameter_no_reset_method_initialises():
         assert "'1.pos'" in message and "init_fn" in message, message
 
 
+class _Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("ids", torch.arange(4.0), persistent=False)  # computed in __init__ (BERT, RoPE)
+
+    def forward(self, x):
+        return self.proj(x) + self.ids
+
+
+def buffer_case(with_init_fn: bool) -> dict:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.BatchNorm1d(4), _Positions())
+    shardtensor.shard_module(model)
+
+    def init(m):
+        m.apply(lambda mod: mod.reset_parameters() if hasattr(mod, "reset_parameters") else None)
+        m[1].ids.copy_(torch.arange(4.0))
+
+    error = _error_of(lambda: shardtensor.materialize(model, init if with_init_fn else None, device="cpu"))
+    ok = error == "no error"
+    return {"error": error, "ids": model[1].ids.tolist() if ok else None,
+            "running_var": model[0].running_var.tolist() if ok else None}
+
+
+def test_materialize_refuses_a_buffer_no_reset_method_computes():
+    # Silently all zeros before: a buffer computed in __init__ on the meta device has no values to recover.
+    for out in run_on_ranks(2, buffer_case, False):
+        assert "'1.ids'" in out["error"] and "init_fn" in out["error"] and "'0." not in out["error"], out
+    for out in run_on_ranks(2, buffer_case, True):  # BatchNorm's reset_parameters() resets its own buffers
+        assert out == {"error": "no error", "ids": [0.0, 1.0, 2.0, 3.0], "running_var": [1.0] * 4}, out
+
+
 # --------------------------------------------------------------------------- forward before materialize()
 def meta_forward_case(gather: str) -> str:
     with torch.device("meta"):

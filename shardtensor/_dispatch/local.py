@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._full import gather_full
+from .._layout import ShardLayout
 from ..tensor import ShardedParam
 from ._common import (
     derived_device,
@@ -150,8 +151,50 @@ def _local(func, args, kwargs):
             return kwargs["out"] if "out" in kwargs else args[0]
         return _wrap_like(params[0], out)
     if writes_shard and not _backward_temporaries(written_params):  # those: compute() writes them back
+        if _write_dim0_rows(func, args, kwargs):
+            return args[0]
         _refuse(func, args, kwargs, "its operands are not shards of one layout (or include a full plain tensor)")
     return compute(func, args, kwargs)
+
+
+def _scalar_operand(x) -> bool:
+    """A Python scalar or a plain 0-d tensor (``t.mul_(3.0)`` arrives as one): the same for every row."""
+    if isinstance(x, torch.Tensor):
+        return type(x) is torch.Tensor and x.dim() == 0
+    return not isinstance(x, (list, tuple))
+
+
+def _write_dim0_rows(func, args, kwargs) -> bool:
+    """An in-place op with scalar operands through one dim-0 row view (``weight[padding_idx].zero_()``, which
+    ``nn.Embedding.reset_parameters`` and Hugging Face's inits run; ``weight[2:5].fill_(0)``): each rank writes
+    the rows of the view it holds, a rank holding none writes nothing.  No collective: every rank knows the rows
+    from the layout.  Returns False where the op is not of that form (the caller refuses it)."""
+    view = args[0]
+    if not isinstance(view, ShardedParam) or len(view._views) != 1 or type(view._layout) is not ShardLayout \
+            or not all(_scalar_operand(x) for x in (*args[1:], *kwargs.values())):
+        return False
+    step, layout = view._views[0], view._layout
+    dim, *rest = step.args or (None,)
+    if dim not in (0, -len(layout.shape)) or step.kwargs or step.index is not None:
+        return False
+    n = layout.shape[0]
+    if step.func is aten.select.int:
+        row = rest[0] + n if rest[0] < 0 else rest[0]
+        lo, hi = row, row + 1
+    elif step.func is aten.slice.Tensor:
+        start, end, stride = (list(rest) + [None, None, 1][len(rest):])[:3]  # slice(dim, start, end, step)
+        if stride != 1:
+            return False
+        lo, hi, _ = slice(start, end).indices(n)
+    else:
+        return False
+    start = layout.row_start
+    lo, hi = max(lo, start), min(hi, start + layout.valid_rows)
+    if lo < hi:
+        rows = view._local[lo - start: hi - start]
+        func(rows[0] if step.func is aten.select.int else rows, *args[1:], **kwargs)
+    _mark_written((view,))
+    return True
 
 
 @implements(aten.copy_.default)

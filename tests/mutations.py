@@ -102,6 +102,10 @@ MUTATIONS = {
         "shardtensor/_comm_divergence.py", "build_control_group",
         'if dist.get_backend(pg) == "fake":', "if False:",
         ("tests/test_fake_world.py",)),
+    "row_write_ignores_row_start": Mutation(
+        "shardtensor/_dispatch/local.py", "_write_dim0_rows",
+        "rows = view._local[lo - start: hi - start]", "rows = view._local[lo: hi]",
+        ("tests/test_composability.py::test_writes_through_row_views_land_on_the_rows_owner",)),
     "tensor_hooks_run_on_placeholder": Mutation(
         "shardtensor/_grad_landing.py", "__call__",
         "        if _placeholders.get(id(grad)) is grad:\n            return None\n", "",

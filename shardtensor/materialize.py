@@ -23,6 +23,7 @@ order than this (or tied weights, which keep the last module's init) needs an ``
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -54,6 +55,7 @@ def materialize(
     state = _sharding_state(module)
     if init_fn is None:
         _refuse_what_no_reset_initialises(module)
+    computed_buffers = _uncovered_meta_buffers(module)  # an init_fn must set these (checked after it runs)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -70,6 +72,7 @@ def materialize(
 
     if init_fn is not None:
         init_fn(module)
+        _warn_buffers_left_zero(module, computed_buffers)
     else:
         for submodule in _post_order(module):
             reset = _reset_method(submodule)
@@ -112,17 +115,9 @@ def _refuse_what_no_reset_initialises(module: nn.Module) -> None:
             if child is not None:
                 walk(child, f"{prefix}{name}.", has)
 
-    def buffers(mod: nn.Module, prefix: str, inherited: bool) -> list[str]:
-        has = inherited or _reset_method(mod) is not None
-        found = [] if has else [prefix + n for n, b in mod._buffers.items() if b is not None and b.is_meta]
-        for name, child in mod._modules.items():
-            if child is not None:
-                found += buffers(child, f"{prefix}{name}.", has)
-        return found
-
     walk(module, "", False)
     missing = [name for key, name in orphans.items() if key not in covered]
-    if not missing and (unset := buffers(module, "", False)):
+    if not missing and (unset := _uncovered_meta_buffers(module)):
         raise ValueError(
             f"materialize: meta buffer {unset[0]!r} (of {len(unset)} such: {', '.join(map(repr, unset[:4]))}) belongs "
             "to modules without reset_parameters() or _reset_parameters(): its values were computed in an __init__ "
@@ -137,6 +132,27 @@ def _refuse_what_no_reset_initialises(module: nn.Module) -> None:
             "materialize(model, init_fn) with an init_fn that initialises it (e.g. lambda m: nn.init.normal_(m.pos); "
             "for a Hugging Face model, its own init: lambda m: m.apply(m._init_weights))."
         )
+
+
+def _uncovered_meta_buffers(module: nn.Module, prefix: str = "", inherited: bool = False) -> list[str]:
+    """Meta buffers of modules that no reset method (theirs or an ancestor's) covers: values an ``__init__``
+    computed on the meta device, which nothing in ``materialize`` can recompute."""
+    has = inherited or _reset_method(module) is not None
+    found = [] if has else [prefix + n for n, b in module._buffers.items() if b is not None and b.is_meta]
+    for name, child in module._modules.items():
+        if child is not None:
+            found += _uncovered_meta_buffers(child, f"{prefix}{name}.", has)
+    return found
+
+
+def _warn_buffers_left_zero(module: nn.Module, names: list[str]) -> None:
+    """After an ``init_fn``: a computed buffer it left all zeros is named (a warning, since zeros can be meant)."""
+    zeros = [n for n in names if not module.get_buffer(n).any()]
+    if zeros:
+        warnings.warn(
+            f"materialize: buffer {zeros[0]!r} (of {len(zeros)} such: {', '.join(map(repr, zeros[:4]))}) was built "
+            "on the meta device by an __init__ and is still all zeros after init_fn. If its __init__ computed it "
+            "(position ids, rotary frequencies), set it in init_fn; the model would use zeros.", stacklevel=3)
 
 
 def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.device) -> None:

@@ -5,6 +5,8 @@ other parameters, meta-device init of modules that initialise through ``_reset_p
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -163,14 +165,24 @@ def buffer_case(with_init_fn: bool) -> dict:
         model = nn.Sequential(nn.BatchNorm1d(4), _Positions())
     shardtensor.shard_module(model)
 
-    def init(m):
+    def init(m, set_ids: bool = True):
         m.apply(lambda mod: mod.reset_parameters() if hasattr(mod, "reset_parameters") else None)
-        m[1].ids.copy_(torch.arange(4.0))
+        if set_ids:
+            m[1].ids.copy_(torch.arange(4.0))
 
     error = _error_of(lambda: shardtensor.materialize(model, init if with_init_fn else None, device="cpu"))
     ok = error == "no error"
-    return {"error": error, "ids": model[1].ids.tolist() if ok else None,
-            "running_var": model[0].running_var.tolist() if ok else None}
+    out = {"error": error, "ids": model[1].ids.tolist() if ok else None,
+           "running_var": model[0].running_var.tolist() if ok else None}
+    if with_init_fn:  # an init_fn that forgets the buffer: named in a warning
+        with torch.device("meta"):
+            again = nn.Sequential(nn.BatchNorm1d(4), _Positions())
+        shardtensor.shard_module(again)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shardtensor.materialize(again, lambda m: init(m, set_ids=False), device="cpu")
+        out["warned"] = [str(w.message) for w in caught if "still all zeros" in str(w.message)]
+    return out
 
 
 def test_materialize_refuses_a_buffer_no_reset_method_computes():
@@ -178,7 +190,9 @@ def test_materialize_refuses_a_buffer_no_reset_method_computes():
     for out in run_on_ranks(2, buffer_case, False):
         assert "'1.ids'" in out["error"] and "init_fn" in out["error"] and "'0." not in out["error"], out
     for out in run_on_ranks(2, buffer_case, True):  # BatchNorm's reset_parameters() resets its own buffers
+        warned = out.pop("warned")
         assert out == {"error": "no error", "ids": [0.0, 1.0, 2.0, 3.0], "running_var": [1.0] * 4}, out
+        assert len(warned) == 1 and "'1.ids'" in warned[0] and "running" not in warned[0], warned
 
 
 # --------------------------------------------------------------------------- forward before materialize()

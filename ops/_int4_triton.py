@@ -157,11 +157,12 @@ def _block_groups(n_groups: int, half_p2: int) -> int:
 CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)  # programs per launch-grid axis
 
 
-def quantize_grid(rows: int, n_groups: int, group_size: int) -> tuple[int, int]:
-    """The quantize kernel's launch grid: the group blocks on axis 0, whose limit is 2^31 - 1, and the rows on
-    axis 1 (limit 65535; rows are few, one per rank).  The other way round, a 2^28-element gradient is 65536
-    blocks, one past axis 1's limit: CUDA refuses the launch ("invalid argument"), as an H100 showed."""
-    grid = (triton.cdiv(n_groups, _block_groups(n_groups, triton.next_power_of_2(group_size // 2))), rows)
+def quantize_grid(rows: int, n_groups: int, block_g: int) -> tuple[int, int]:
+    """The quantize kernel's launch grid for ``block_g`` groups per program: the group blocks on axis 0, whose
+    limit is 2^31 - 1, and the rows on axis 1 (limit 65535; rows are few, one per rank).  The other way round, a
+    2^28-element gradient is 65536 blocks, one past axis 1's limit: CUDA refuses the launch ("invalid
+    argument"), as an H100 showed."""
+    grid = (triton.cdiv(n_groups, block_g), rows)
     if any(n > limit for n, limit in zip(grid, CUDA_GRID_LIMITS)):
         raise ValueError(f"int4 quantize: {rows=} x {n_groups=} groups exceeds a launch grid {grid}")
     return grid
@@ -182,7 +183,7 @@ def quantize_rows_triton(
         return
     half_p2 = triton.next_power_of_2(group_size // 2)
     block_g = _block_groups(n_groups, half_p2)
-    grid = quantize_grid(rows, n_groups, group_size)
+    grid = quantize_grid(rows, n_groups, block_g)
     _quantize_int4_kernel[grid](
         x, error if error is not None else scales, packed, scales,
         cols, n_groups, packed.shape[1],

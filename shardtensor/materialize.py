@@ -53,9 +53,9 @@ def materialize(
         ``module`` itself; memory allocated on this rank is its shards plus, transiently, one full parameter.
     """
     state = _sharding_state(module)
+    computed_buffers = _uncovered_meta_buffers(module)  # no reset method recomputes these: an init_fn must
     if init_fn is None:
-        _refuse_what_no_reset_initialises(module)
-    computed_buffers = _uncovered_meta_buffers(module)  # an init_fn must set these (checked after it runs)
+        _refuse_what_no_reset_initialises(module, computed_buffers)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -100,7 +100,7 @@ def _post_order(module: nn.Module, seen: Optional[set] = None):
     yield module
 
 
-def _refuse_what_no_reset_initialises(module: nn.Module) -> None:
+def _refuse_what_no_reset_initialises(module: nn.Module, computed_buffers: list[str]) -> None:
     """A meta parameter whose module and ancestors all lack a reset method would stay all zeros (its values
     were drawn inline in an ``__init__`` that never ran for real): refuse before anything is allocated."""
     covered: set[int] = set()
@@ -117,7 +117,7 @@ def _refuse_what_no_reset_initialises(module: nn.Module) -> None:
 
     walk(module, "", False)
     missing = [name for key, name in orphans.items() if key not in covered]
-    if not missing and (unset := _uncovered_meta_buffers(module)):
+    if not missing and (unset := computed_buffers):
         raise ValueError(
             f"materialize: meta buffer {unset[0]!r} (of {len(unset)} such: {', '.join(map(repr, unset[:4]))}) belongs "
             "to modules without reset_parameters() or _reset_parameters(): its values were computed in an __init__ "

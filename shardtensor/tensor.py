@@ -91,6 +91,16 @@ class ShardedParam(torch.Tensor):
         layout = ShardLayout.for_shape(full.shape, group)
         return cls(layout.shard_of(full.detach()), layout, name=name, requires_grad=requires_grad)
 
+    def _derived(self, local: torch.Tensor, views: Optional[tuple] = None, gatherer: Any = None) -> "ShardedParam":
+        """A tensor of this one's placement and name over ``local``: a view or alias (``views``, ``gatherer``), a
+        shard-wise result (views kept) or a new tensor of the global shape (``views=()``).  Its device is this one's
+        while ``local`` stays beside this shard (under ``CPUOffload`` the shard is in host memory, the parameter on
+        the GPU, and autograd must see derived tensors where the parameter is), else ``local``'s own
+        (``p.to("cpu")`` moved it)."""
+        device = self.device if local.device == self._local.device else local.device
+        return ShardedParam(local, self._layout, views=self._views if views is None else views, gatherer=gatherer,
+                            name=self._name, device=device)
+
     # ------------------------------------------------------------------ public API
     def to_local(self) -> torch.Tensor:
         """This rank's rows of the base tensor (padded; views not applied).  Never communicates."""

@@ -95,8 +95,8 @@ MUTATIONS = {
         "        _swallow[id(param)] = guarded\n", "        pass\n",
         ("tests/test_grad_landing.py", "tests/test_cpu_adam.py::test_speculative_steps_of_unit_parameters_stand")),
     "views_move_to_the_shards_device": Mutation(
-        "shardtensor/_dispatch/views.py", "_view",
-        "name=self._name, device=self.device)", "name=self._name)",
+        "shardtensor/tensor.py", "_derived",
+        "device = self.device if local.device == self._local.device else local.device", "device = local.device",
         ("tests/test_offload.py::test_tensors_derived_from_an_offloaded_parameter_stay_on_the_parameters_device",)),
     "control_group_on_fake_pg": Mutation(
         "shardtensor/_comm_divergence.py", "build_control_group",

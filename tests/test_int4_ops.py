@@ -223,9 +223,12 @@ def test_triton_dequantize_reduce_equals_reference(x, world, group_size, strided
 @pytest.mark.parametrize("numel", [1 << 28, 3 << 28])
 def test_quantize_launch_grid_fits_cuda_limits(numel):
     # A 2^28-element gradient once needed 65536 programs on grid axis 1 (limit 65535): CUDA refused the launch.
-    from shardtensor.ops._int4_triton import CUDA_GRID_LIMITS, quantize_grid
+    import triton
+
+    from shardtensor.ops._int4_triton import CUDA_GRID_LIMITS, _block_groups, quantize_grid
 
     for rows, group_size in [(1, 128), (8, 32), (1, 2)]:
-        grid = quantize_grid(rows, -(-numel // group_size), group_size)
+        n_groups = -(-numel // group_size)
+        grid = quantize_grid(rows, n_groups, _block_groups(n_groups, triton.next_power_of_2(group_size // 2)))
         assert all(n <= limit for n, limit in zip(grid, CUDA_GRID_LIMITS)), (rows, group_size, grid)
         assert grid[1] == rows

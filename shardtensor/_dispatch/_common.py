@@ -149,24 +149,15 @@ def _to_local(x):
     return x._local if isinstance(x, ShardedParam) else x
 
 
-def derived_device(template: ShardedParam, out: torch.Tensor) -> torch.device:
-    """Where autograd sees a shard-wise result: the template's device while the result's shard stays beside the
-    template's (an offloaded shard in host memory still belongs to a GPU parameter), else the result's own
-    (``p.to("cpu")`` moved it)."""
-    return template.device if out.device == template._local.device else out.device
-
-
 def _wrap_like(template: ShardedParam, out):
     """Outputs of a shard-wise op that have the shard's shape become ShardedParams of the template's placement."""
     if type(out) is torch.Tensor and out.shape == template._local.shape:  # the common case, without the scans
-        return ShardedParam(out, template._layout, views=template._views, name=template._name,
-                            device=derived_device(template, out))
+        return template._derived(out)
 
     def wrap(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, ShardedParam) and t.shape[:1] == template._local.shape[:1] \
                 and t.shape[1:] == template._layout.shape[1:]:
-            return ShardedParam(t, template._layout, views=template._views, name=template._name,
-                                device=derived_device(template, t))
+            return template._derived(t)
         return t
 
     return _map_out(wrap, out)

@@ -20,7 +20,6 @@ from .._full import gather_full
 from .._layout import ShardLayout
 from ..tensor import ShardedParam
 from ._common import (
-    derived_device,
     _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
     _params_in, _to_local, _wrap_like, _written_args, _written_params, aten, implements,
 )
@@ -86,7 +85,7 @@ def _foreach_local(func, args, kwargs):
     first = args[0]
     if isinstance(out, (list, tuple)) and isinstance(first, (list, tuple)) and len(out) == len(first):
         return [
-            ShardedParam(o, t._layout, views=t._views, name=t._name, device=derived_device(t, o))
+            t._derived(o)
             if isinstance(t, ShardedParam) and isinstance(o, torch.Tensor) else o
             for o, t in zip(out, first)
         ]
@@ -233,8 +232,7 @@ def _new_like(func, args, kwargs):
         local_size = list(self._local.shape)
         rest = [local_size] + list(args[2:]) if func is not aten.new_empty_strided.default else \
             [local_size, list(torch.empty(local_size, device="meta").stride())]
-        local = func(self._local, *rest, **kwargs)
-        return ShardedParam(local, self._layout, name=self._name, device=derived_device(self, local))
+        return self._derived(func(self._local, *rest, **kwargs), views=())
     return func(torch.empty(0, dtype=self.dtype, device=self.device), *args[1:], **kwargs)
 
 

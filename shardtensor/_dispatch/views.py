@@ -18,8 +18,7 @@ from .compute import _Gathered, _unalias, compute
 def _identity_view(func, args, kwargs):
     # detach: nn.Parameter(...), AccumulateGrad and optimizers call it; it must not gather.
     self = args[0]
-    return ShardedParam(self._local, self._layout, views=self._views, gatherer=self._gatherer, name=self._name,
-                        device=self.device)
+    return self._derived(self._local, gatherer=self._gatherer)
 
 
 def _freeze(x):
@@ -38,8 +37,7 @@ def _view(func, args, kwargs):
     step = ViewStep(func, _freeze(list(args[1:])), tuple(sorted(kwargs.items())), None)
     if not _replayable(self._layout.shape, self._views + (step,)):
         return _view_as_copy(func, args, kwargs)
-    return ShardedParam(self._local, self._layout, views=self._views + (step,), gatherer=self._gatherer,
-                        name=self._name, device=self.device)
+    return self._derived(self._local, views=self._views + (step,), gatherer=self._gatherer)
 
 
 def _replayable(shape: torch.Size, views: tuple) -> bool:
@@ -73,7 +71,7 @@ def _multi_view(func, args, kwargs):
     meta = func(torch.empty(self.shape, device="meta"), *args[1:], **kwargs)
     frozen_args, frozen_kwargs = _freeze(list(args[1:])), tuple(sorted(kwargs.items()))
     return [
-        ShardedParam(self._local, self._layout, views=self._views + (ViewStep(func, frozen_args, frozen_kwargs, i),),
-                     gatherer=self._gatherer, name=self._name, device=self.device)
+        self._derived(self._local, views=self._views + (ViewStep(func, frozen_args, frozen_kwargs, i),),
+                      gatherer=self._gatherer)
         for i in range(len(meta))
     ]

@@ -21,8 +21,9 @@ the autograd engine after the compiled backward, not in the graph, so they cost 
 (shard-wise pointwise ops, the optimizer step) are not traced by ``torch.compile(model)``; a compiled function
 that runs them on real shards takes the eager rules.
 
-The eager forward hooks (the step hook, gather units) stand aside while Dynamo traces, and a gather unit
-takes no gradient it was not held for, so a compiled backward's gradients are reduced per parameter.
+The eager forward hooks (the step hook, gather units) stand aside while Dynamo traces.  A gather unit's
+gradients still meet in its hook after the compiled backward and are reduced together, one collective per unit
+(see [Note: unheld gradients] in ``_units.py``); a parameter outside every unit is reduced on its own.
 Mixed precision: the traced gather casts the shard to ``param_dtype`` before the collective, as the Gatherer
 does, and the step hook casts the root's floating inputs (both traced).
 

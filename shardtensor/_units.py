@@ -11,6 +11,14 @@ are reduced together, in a fixed order, with zeros for a parameter this rank pro
 has-gradient flag per parameter travels in the same collective: a parameter no rank produced a gradient for
 keeps ``grad=None``, as in the unsharded model (so AdamW does not decay an expert nobody used).
 
+[Note: unheld gradients]
+A gradient can reach a unit's parameter while the unit is not held for backward: a compiled backward (the unit's
+hooks stand aside while Dynamo traces, and the graph's own all-gathers feed its ops) hands every gradient over
+at its end.  The unit keeps them as in a held backward and reduces them together as soon as every parameter of
+it that requires a gradient has one (or at the end of backward, zeros for the others): one collective per unit
+instead of one per parameter.  Every rank runs the same graph, so every rank reduces the same units in the same
+order.
+
 A parameter shared outside its unit (tied weights) keeps per-op gathers.  Default units: overlapped and auto
 take FSDP2's wrapping (one collective per block and direction, not per parameter); sequential mode (lowest peak)
 takes only MoE layers, where a unit is needed for the right numbers.  An explicit ``units=`` applies always.
@@ -65,10 +73,11 @@ class _Unit:
         self._fulls: list[torch.Tensor] = []  # held full tensors the UnitSet's pool may recycle when ``gives``
         self.pool, self.gives = None, False  # (see [Note: recycled full tensors])
         self.in_flight: list = []  # UnitSet's reductions in flight (see finish_reductions)
+        self.unheld: set[int] = set()  # positions stashed outside a hold (see [Note: unheld gradients])
 
     def reset(self) -> None:
         """Forget what a failed backward left (held buffers, stashed gradients): a new backward starts clean."""
-        self.grads, self.flat = {}, None
+        self.grads, self.flat, self.unheld = {}, None, set()
         self.backward_holds = 0
         self.holds, self.gives = 1, False
         self.unhold()
@@ -147,6 +156,19 @@ class _Unit:
             self.grads[position] = grad.clone(memory_format=torch.contiguous_format)
         else:
             kept.add_(grad)
+
+    def stash_unheld(self, position: int, grad: torch.Tensor, owned: bool) -> None:
+        """A gradient that came while the unit was not held: reduced with the unit's others once every parameter
+        that needs a gradient has one (see [Note: unheld gradients])."""
+        self.stash(position, grad, owned)
+        self.unheld.add(position)
+        if len(self.unheld) == sum(p.requires_grad for p in self.params):
+            self.reduce_unheld()
+
+    def reduce_unheld(self) -> None:
+        if self.unheld:
+            self.unheld = set()
+            self.reduce()
 
     def post_backward(self) -> None:
         if self.backward_holds == 0:
@@ -242,11 +264,14 @@ class UnitSet:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to
         AccumulateGrad (the reduced shard is added to ``.grad`` later).  None: not a unit parameter."""
         found = self.of_param.get(id(param))
-        if found is None or found[0].backward_holds == 0:  # not held: a compiled backward (or unused unit)
+        if found is None:
             return None
         unit, position = found
         self._queue_end_of_backward()
-        unit.stash(position, grad, owned)
+        if unit.backward_holds == 0:
+            unit.stash_unheld(position, grad, owned)
+        else:
+            unit.stash(position, grad, owned)
         return _grad_landing.zero_placeholder(param, grad)
 
     def _pre_forward(self, unit: _Unit):
@@ -328,6 +353,7 @@ class UnitSet:
             unit.gives = False  # nothing follows
             while unit.backward_holds:
                 unit.post_backward()
+            unit.reduce_unheld()
         finish_reductions(self.in_flight)
         self.pool.clear()
 

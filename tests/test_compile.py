@@ -112,8 +112,9 @@ def _check(results) -> None:
         _assert_same(result, reference, 1e-4)
 
 
-# "overlapped" (the default) has gather units per block: their hooks stand aside while compiling and the
-# gradients reach the per-parameter reduction; "sequential" has none.  Both compile to the same graph.
+# "overlapped" (the default) has gather units per block: their gather hooks stand aside while compiling and each
+# unit's gradients are reduced together once the compiled backward has produced them all; "sequential" has no
+# units (per-parameter reductions).  Both compile to the same graph.
 def test_compiled_tied_gpt_fullgraph_equals_eager_and_unsharded():
     _check(run_on_ranks(2, compile_case, 2, "tied", "overlapped", "aot_eager"))
 
@@ -125,6 +126,35 @@ def test_compiled_transformers_gpt2_fullgraph():
 
 def test_compiled_untied_gpt_inductor_sequential():
     _check(run_on_ranks(2, compile_case, 2, "untied", "sequential", "inductor"))
+
+
+def compiled_collectives_per_step(world: int, layers: int) -> int:
+    """Eager collectives (each behind one identity check) of a warm compiled step: the gradient reductions after
+    the compiled backward, and the clipping norm's all-reduce; the graph's own all-gathers are not among them."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=layers, n_head=2,
+                                                   n_embd=16)), gather="overlapped")
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counts = []
+    for idx in _batches(world)[0]:
+        before = shardtensor.identity_check_stats()["checks"]
+        _loss(run, idx).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        counts.append(shardtensor.identity_check_stats()["checks"] - before)
+    return counts[-1]
+
+
+def test_compiled_backward_reduces_a_block_in_one_collective():
+    """Each block's 12 gradients leave the compiled backward together and are reduced in one collective (its
+    unit's), not one each: two more blocks cost at most two more collectives per step."""
+    one, three = (run_on_ranks(2, compiled_collectives_per_step, 2, layers)[0] for layers in (1, 3))
+    assert 0 < three - one <= 2, (one, three)
 
 
 

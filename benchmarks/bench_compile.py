@@ -14,7 +14,9 @@ Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
     the collectives no ZeRO-3 step can skip and AdamW on this rank's share (``bench_peers._zero3_floor_step``):
     what a compiled sharded step could reach if the library cost nothing and nothing overlapped.
 
-Step time is the median of the timed steps (after ``--warmup`` steps, which include compilation); peak is the
+Step time is the median of the timed steps (after ``--warmup`` steps, which include compilation), wall time of the
+slowest rank and CPU seconds summed over the ranks (each process, its gloo threads included: the steadier figure
+on a shared machine); peak is the
 process's peak RSS growth over the mark taken before the model is built (CPU: includes compiler memory); step peak
 is the RSS high-water mark of one more warm step over its start (the step's own tensors: see ``_step_peak_bytes``).
 
@@ -119,12 +121,12 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         # the floor steps its own AdamW on this rank's share, around the (compiled) local model
         floor = _zero3_floor_step(run, argparse.Namespace(lr=1e-3)) if config.startswith("zero3-floor") else None
-        times, losses = [], []
+        times, cpu_times, losses = [], [], []
 
         def step() -> None:
             x, y = get_batch(corpus, args.batch, args.block, gen)
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             if floor is not None:
                 loss = floor(x, y)
             else:
@@ -133,12 +135,14 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
                 opt.step()
                 opt.zero_grad()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)  # this rank's process, gloo's threads included
             losses.append(loss.item())
 
         for _ in range(args.warmup + args.steps):
             step()
         step_peak = _step_peak_bytes(step)
         return {"config": config, "rank": rank, "step_s": statistics.median(times[args.warmup:-1]),
+                "cpu_s": statistics.median(cpu_times[args.warmup:-1]),
                 "first_steps_s": times[: args.warmup], "losses": losses,
                 "peak_mib": (_memory_peak(torch.device("cpu")) - base) / 2**20, "step_peak_mib": step_peak / 2**20}
     finally:
@@ -160,26 +164,31 @@ def main(argv=None) -> dict:
             loads.append(os.getloadavg()[0])
             ranks = spawn_ranks(_worker, args.world, config, args, timeout=1800)
             rounds[config].append({
-                "step_s": max(r["step_s"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks),
+                "step_s": max(r["step_s"] for r in ranks), "cpu_s": sum(r["cpu_s"] for r in ranks),
+                "peak_mib": max(r["peak_mib"] for r in ranks),
                 "warmup_s": max(sum(r["first_steps_s"]) for r in ranks), "losses_rank0": ranks[0]["losses"],
                 "step_peak_mib": max(r["step_peak_mib"] for r in ranks)})
             last = rounds[config][-1]
-            print(f"round {round_index}: {config:20s} step {last['step_s'] * 1e3:8.1f} ms  peak {last['peak_mib']:7.1f}"
+            print(f"round {round_index}: {config:20s} step {last['step_s'] * 1e3:8.1f} ms  cpu {last['cpu_s']:6.3f} s  peak {last['peak_mib']:7.1f}"
                   f" MiB  step peak {last['step_peak_mib']:6.1f} MiB  warmup+compile {last['warmup_s']:6.1f} s",
                   flush=True)
     for config, runs in rounds.items():
         steps = [r["step_s"] for r in runs]
+        cpus = [r["cpu_s"] for r in runs]
         rows[config] = {"step_s": statistics.median(steps), "step_s_rounds": steps,
+                        "cpu_s": statistics.median(cpus), "cpu_s_rounds": cpus,
                         "peak_mib": statistics.median(r["peak_mib"] for r in runs),
                         "step_peak_mib": statistics.median(r["step_peak_mib"] for r in runs),
                         "warmup_s": statistics.median(r["warmup_s"] for r in runs),
                         "losses_rank0": runs[0]["losses_rank0"]}
     if "st-eager" in rows:
-        eager = rows["st-eager"]["step_s"]
+        eager, eager_cpu = rows["st-eager"]["step_s"], rows["st-eager"].get("cpu_s")
         for config, row in rows.items():
+            cpu = (f"  cpu {row['cpu_s']:.3f} s ({row['cpu_s'] / eager_cpu:.2f}x)"
+                   if eager_cpu and row.get("cpu_s") else "")
             print(f"{config:20s} median step {row['step_s'] * 1e3:8.1f} ms ({row['step_s'] / eager:.2f}x st-eager; rounds "
                   + ", ".join(f"{t * 1e3:.0f}" for t in row.get("step_s_rounds", [row["step_s"]]))
-                  + f")  step peak {row['step_peak_mib']:6.1f} MiB")
+                  + f"){cpu}  step peak {row['step_peak_mib']:6.1f} MiB")
     result = {"args": vars(args), "load_avg_at_starts": loads, "load_avg_end": os.getloadavg(), "rows": rows,
               "command": "python benchmarks/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

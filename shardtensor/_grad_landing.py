@@ -34,6 +34,7 @@ import torch
 _placeholders: dict[int, weakref.ref] = {}
 _swallow: dict[int, int] = {}  # id(parameter) -> guarded hooks still to be called by the AccumulateGrad of a placeholder
 _queued = [-1]  # the backward (graph task) whose end forgets them
+_captured = [-1, False]  # (graph task, whether it is torch.autograd.grad): asked once per backward
 
 
 class GuardedTensorHook:
@@ -120,3 +121,30 @@ def forget_placeholders() -> None:
     _placeholders.clear()
     _swallow.clear()
     _queued[0] = -1
+
+
+# [Note: torch.autograd.grad of sharded parameters]
+# ``torch.autograd.grad(loss, params)`` hands the gradients back and leaves ``.grad`` alone; a gradient penalty
+# (``create_graph=True``) differentiates them again.  So the gradient hook must not reduce, defer or stash there:
+# the caller gets what DDP's caller gets, this rank's own full gradient (a plain tensor, still in the graph), and
+# no collective runs.  (Reducing it, as ``backward()`` does, returned a detached mean; a gather unit returned
+# zeros and wrote the mean into ``.grad``.)
+def captured_by_autograd_grad(param) -> bool:
+    """Whether the running backward is ``torch.autograd.grad`` (gradients returned, nothing accumulated)."""
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return False
+    if task != _captured[0]:
+        _captured[0], _captured[1] = task, not _will_accumulate(param)
+    return _captured[1]
+
+
+def _will_accumulate(param) -> bool:
+    with torch.enable_grad():
+        accumulate = param.view_as(param).grad_fn.next_functions[0][0]  # the leaf's AccumulateGrad node
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulate))
+    except RuntimeError as exc:  # torch refuses to answer for a leaf under autograd.grad: that is the answer
+        if "autograd.grad" in str(exc):
+            return False
+        raise

@@ -193,6 +193,8 @@ class GradSync:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if isinstance(grad, ShardedParam):  # a gradient computed shard-wise is already this rank's
                 return grad
+            if _grad_landing.captured_by_autograd_grad(param):  # see [Note: torch.autograd.grad of ...]
+                return grad
             owned = _only_autograd_holds(grad)
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
@@ -218,6 +220,8 @@ class GradSync:
         of backward (the same safety rules as the overlapped reduce-scatter); the rest at once."""
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
+            if param is not None and _grad_landing.captured_by_autograd_grad(param):  # this rank's own gradient
+                return grad
             key = f"replicated:{id(hook)}"
             if not self.enabled:
                 return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))

@@ -131,6 +131,34 @@ class ShardedParam(torch.Tensor):
         in a gather unit or under ``gradient_sync(model, False)`` is after AccumulateGrad (see ``_grad_landing``)."""
         return super().register_post_accumulate_grad_hook(GuardedPostAccumulateHook(hook))
 
+    # ``p.data = t`` (``vector_to_parameters``, hand-written updates) goes to torch's ``set_data``, which swaps the
+    # wrapper's own (empty) storage and leaves ``_local``: every later op, gather and step would use the old values.
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """The full tensor (the same on every rank; this rank keeps its rows), or a tensor of this placement."""
+        if isinstance(value, ShardedParam) and (value._layout, value._views, value.dtype) == (
+                self._layout, self._views, self.dtype):
+            if value._local is not self._local:
+                with torch.no_grad():
+                    self._local.copy_(value._local)
+            return
+        plain = isinstance(value, torch.Tensor) and not isinstance(value, ShardedParam)
+        if not (plain and not self._views and value.shape == self.shape and value.dtype == self.dtype
+                and value.device == self.device):
+            got = (f"{type(value).__name__}({tuple(value.shape)}, {value.dtype}, {value.device})"
+                   if isinstance(value, torch.Tensor) else type(value).__name__)
+            raise ValueError(
+                f"{self._name or 'sharded tensor'!r}.data = {got}: a sharded parameter's .data takes the full tensor "
+                f"({tuple(self.shape)}, {self.dtype}, {self.device}), the same on every rank, and keeps this rank's "
+                "rows; its shape, dtype and device cannot change after shard_module. Fix: convert or resize the "
+                "model before shard_module, or write values with p.copy_(full) (or p.to_local().copy_(rows)).")
+        with torch.no_grad():
+            self._layout.copy_own_rows(self._local, value.detach())
+
     # torch's own refusal ("not supported for tensor subclasses") names neither the way out nor the collective.
     def tolist(self):
         raise TypeError(self._host_copy_refusal("tolist"))

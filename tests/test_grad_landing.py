@@ -164,3 +164,47 @@ def _flushed_case() -> dict:
 def test_hooks_of_a_gradient_flushed_at_the_end_of_a_synced_backward():
     for r in run_on_ranks(2, _flushed_case):
         assert r["calls"] == {"tensor": 2, "post": 2} and r["off"] < 1e-6, r  # weight and bias, once each
+
+
+def _autograd_grad_case(gather: str, persist_numel: int) -> dict:
+    """``torch.autograd.grad`` w.r.t. sharded parameters returns this rank's own full gradient (as under DDP) and
+    leaves ``.grad`` alone; a gradient penalty built on it (``create_graph=True``) then trains like DDP's."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    reference = Net().double()
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=gather, persist_numel=persist_numel)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    gen = torch.Generator().manual_seed(11)
+    batches = [torch.randn(4, 8, generator=gen, dtype=torch.float64) for _ in range(world)]
+
+    def penalised(net, x):
+        params = list(net.parameters())
+        loss = net(x).square().mean()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        return loss + 0.1 * sum(g.square().sum() for g in grads), grads
+
+    out: dict = {}
+    mine = torch.autograd.grad(model(batches[rank]).square().mean(), list(model.parameters()))
+    theirs = torch.autograd.grad(reference(batches[rank]).square().mean(), list(reference.parameters()))
+    out["types"] = sorted({type(g).__name__ for g in mine})
+    out["local_off"] = max((a - b).abs().max().item() for a, b in zip(mine, theirs))
+    out["grad_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
+    loss, _ = penalised(model, batches[rank])
+    loss.backward()
+    for x in batches:  # DDP's result: the mean over ranks of each rank's penalised gradient
+        (penalised(reference, x)[0] / world).backward()
+    grads = dict(model.named_parameters())
+    out["penalty_off"] = max(
+        ((grads[n].grad.full_tensor() if isinstance(grads[n], shardtensor.ShardedParam) else grads[n].grad)
+         - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("gather,persist_numel", [("overlapped", 0), ("sequential", 0), ("overlapped", 10)])
+def test_autograd_grad_returns_this_ranks_gradient_and_leaves_grad_alone(gather, persist_numel):
+    for r in run_on_ranks(2, _autograd_grad_case, gather, persist_numel):
+        assert r["types"] == ["Tensor"], r  # plain full tensors, as the unsharded model's
+        assert r["local_off"] < 1e-12, r
+        assert r["grad_left"] == [], r
+        assert r["penalty_off"] < 1e-12, r

@@ -313,3 +313,35 @@ def _hook_returns_full_case() -> str:
 def test_gradient_hook_that_returns_a_full_tensor_in_a_unit_is_named():
     for msg in run_on_ranks(2, _hook_returns_full_case):
         assert "TypeError" in msg and "'1.0.weight'" in msg and "register_hook" in msg, msg
+
+
+# ------------------------------------------------------------------------------------- p.data = ... assignment
+def data_assignment_case(rows: int, seed: int) -> dict:
+    """``p.data = t`` (hand-written updates, ``vector_to_parameters``) on sharded and unsharded copies of one
+    model: the forward afterwards must agree; a change of shape or dtype is refused by name."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    torch.manual_seed(seed)
+    plain = nn.Sequential(nn.Linear(5, rows), nn.Tanh(), nn.Linear(rows, 3)).double()
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(5, rows), nn.Tanh(), nn.Linear(rows, 3)).double())
+    model.load_state_dict(plain.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(rows, 5, generator=gen, dtype=torch.float64)  # every rank draws the same
+    for net in (plain, model):
+        net[0].weight.data = full.clone()
+        net[2].weight.data = net[2].weight.data * 0.5
+        vector = parameters_to_vector(net.parameters())
+        vector_to_parameters(vector * 2 - 1, net.parameters())
+    x = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    off = (model(x) - plain(x)).abs().max().item()
+    errors = [_error_of(lambda: setattr(model[0].weight, "data", full.float())),
+              _error_of(lambda: setattr(model[0].weight, "data", full[:1].clone()))]
+    return {"off": off, "errors": errors, "after_refusals": (model(x) - plain(x)).abs().max().item()}
+
+
+def test_data_assignment_writes_this_ranks_rows_or_is_refused():
+    for world, rows in ((2, 7), (4, 6)):
+        for r in run_on_ranks(world, data_assignment_case, rows, world):
+            assert r["off"] < 1e-12 and r["after_refusals"] < 1e-12, r
+            for error in r["errors"]:
+                assert error.startswith("ValueError") and "'0.weight'.data" in error and "Fix:" in error, error

@@ -15,7 +15,11 @@ gradient is deferred.
   the file holds rank 0's shards only, and another rank would gather them alone (refused before anything is
   copied, naming the key);
 - a parameter used only in a deferred micro-batch: the synced backward never reaches its hook, so its deferred
-  gradient is reduced at the end of that backward (``flush_deferred``).
+  gradient is reduced at the end of that backward (``flush_deferred``);
+- ranks that shard different models, or the same model with other settings (``gather=``, ``prefetch_bytes``,
+  ...): their collectives would disagree (refused at ``shard_module``, naming the difference);
+- a model converted, parametrized or given new trainable parameters after ``shard_module``: the new tensors have
+  no gradient reduction, so the ranks' copies drift apart (refused at the next forward, naming the parameter).
 """
 
 from __future__ import annotations
@@ -228,3 +232,93 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
 
 register_optimizer_step_pre_hook(_step_pre_hook)
+
+
+# ------------------------------------------------------------------------------------------- every rank alike
+def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> None:
+    """Different models (or sharding settings) on different ranks would make the gathers disagree (a hang or
+    garbage): fail in ``shard_module``, on every rank, naming the first difference."""
+    if _comm.world_size(group) == 1:
+        return
+    fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    plan = (_comm.world_size(group), _comm.group_ranks(group))
+    everyone = _comm.all_gather_object(
+        (plan, fingerprint, settings), group,
+        label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
+    me = _comm.rank(group)
+    for other_rank, (other_plan, other, other_settings) in enumerate(everyone):
+        if other_plan != plan:
+            raise ValueError(
+                f"shard_module on rank {me}: rank {other_rank} shards over a different process group "
+                f"(world size {other_plan[0]}, global ranks {other_plan[1]}) than this rank (world size {plan[0]}, "
+                f"global ranks {plan[1]}). Every rank must pass the same group to shard_module.")
+    for other_rank, (_, other, other_settings) in enumerate(everyone):
+        if other != fingerprint:
+            raise ValueError(f"shard_module on rank {me}: rank {other_rank} has a different model "
+                             f"({_first_difference(fingerprint, other, other_rank)}). Every rank must shard the "
+                             "same architecture, with its parameters registered in the same order.")
+        differ = {k: (v, other_settings.get(k)) for k, v in settings.items() if other_settings.get(k) != v}
+        if differ:
+            what = ", ".join(f"{k}={here!r} here, {there!r} on rank {other_rank}" for k, (here, there) in differ.items())
+            raise ValueError(f"shard_module on rank {me}: the ranks shard with different settings ({what}); they "
+                             "decide which collectives run, so every rank must call shard_module with the same "
+                             "arguments.")
+
+
+def _first_difference(mine: list, other: list, other_rank: int) -> str:
+    extra, missing = sorted(set(mine) - set(other))[:3], sorted(set(other) - set(mine))[:3]
+    if extra or missing:
+        return f"only here: {extra}; only on rank {other_rank}: {missing}"
+    k = next(i for i, (a, b) in enumerate(zip(mine, other)) if a != b)
+    return (f"the same parameters in another order: parameter #{k} is {mine[k][0]!r} here and {other[k][0]!r} on "
+            f"rank {other_rank}")
+
+
+# ------------------------------------------------------------------------------------------- at every forward
+def check_not_moved(owners: list, gatherer) -> None:
+    """``model.to(...)``/``.double()``/``.cuda()`` after sharding swaps each parameter's contents for a converted
+    copy that has neither the gradient hook nor a place in the gather schedule (gradients would silently stop
+    being averaged), ``load_state_dict(assign=True)`` replaces parameters outright, and a parametrization
+    (``weight_norm``) moves them out of ``_parameters``.  One identity check per parameter per forward catches
+    them before anything runs."""
+    from .tensor import ShardedParam
+
+    for submodule, name, param in owners:
+        current = submodule._parameters.get(name)
+        if current is param and (not isinstance(param, ShardedParam) or param._gatherer is gatherer):
+            continue
+        fqn = param._name if isinstance(param, ShardedParam) else name
+        if current is None:
+            raise RuntimeError(
+                f"shardtensor: parameter {fqn!r} was removed from its module after shard_module (a parametrization "
+                "such as weight_norm, spectral_norm or register_parametrization moves it, as does del): the "
+                "tensors that replace it are not sharded and their gradients are not averaged across ranks. Fix: "
+                "apply parametrizations before shard_module.")
+        what = f"{type(current).__name__}({tuple(current.shape)}, {current.dtype}, {current.device})" \
+            if isinstance(current, torch.Tensor) else repr(current)
+        raise RuntimeError(
+            f"shardtensor: parameter {fqn!r} was converted or replaced after shard_module (now {what}): "
+            "model.to(...)/.double()/.half()/.cuda(), load_state_dict(assign=True) or torch.func.functional_call "
+            "with plain tensors on a sharded model drops its gradient hook and gather schedule, so gradients would "
+            "silently stop being averaged across ranks. Fix: move or convert the model before shard_module (or "
+            "shard a fresh model and load shardtensor.full_state_dict into it); functional_call takes the sharded "
+            "parameters themselves.")
+
+
+def check_no_new_parameters(module: nn.Module, known: set) -> None:
+    """A trainable plain parameter added after ``shard_module`` (a new head, ``resize_token_embeddings``) is
+    neither sharded nor averaged: each rank would train its own copy and the ranks drift apart, silently."""
+    from .tensor import ShardedParam
+
+    for submodule in module.modules():
+        for param in submodule._parameters.values():
+            if param is None or id(param) in known or isinstance(param, ShardedParam) or not param.requires_grad:
+                continue
+            fqn = next(f"{m}.{n}" if m else n for m, sub in module.named_modules() for n, p in sub._parameters.items()
+                       if p is param)
+            raise RuntimeError(
+                f"shardtensor: parameter {fqn!r} ({tuple(param.shape)}) was added after shard_module: it is not "
+                "sharded and its gradient is not averaged across ranks, so each rank would train its own copy. "
+                "Fix: build the whole model (new heads, resized embeddings, adapters) before shard_module, or "
+                "shardtensor.unshard_module(model), change it, and shard it again; a parameter meant to stay "
+                "local can be frozen (requires_grad=False).")

@@ -126,7 +126,10 @@ def shard_module(
     grad_sync = GradSync(reducer, strategy=strategy)
     grad_sync.pending_budget = gatherer.reduce_overlap_bytes
     _refuse_dtensor_parameters(module)
-    _check_same_model_on_every_rank(module, group)
+    _misuse.check_same_model_on_every_rank(module, group, settings={
+        "gather": policy.mode.value, "prefetch_bytes": policy.prefetch_bytes, "persist_numel": persist_numel,
+        "param_dtype": str(param_dtype), "reduce_dtype": str(precision.reduce_dtype), "placement": placement,
+        "reducer": type(reducer).__name__, "offload": type(offload).__name__})
     if placement not in ("dim0", "layerwise"):
         raise ValueError(f"shard_module: placement={placement!r}; expected 'dim0' or 'layerwise'")
     layouts: dict = {}
@@ -199,10 +202,12 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
         return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     check_materialized = _misuse.MaterializedCheck()
+    known = {id(param) for _, _, param in owners}  # the parameters shard_module placed
 
     def hook(module, args, kwargs):
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
-            _check_not_moved(owners, gatherer)
+            _misuse.check_not_moved(owners, gatherer)
+            _misuse.check_no_new_parameters(module, known)
             check_materialized(module)  # a meta-device model must go through materialize() first
             if grad_sync is not None:
                 grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
@@ -240,26 +245,6 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
     return new
 
 
-def _check_not_moved(owners: list, gatherer: Gatherer) -> None:
-    """``model.to(...)``/``.double()``/``.cuda()`` after sharding swaps each parameter's contents for a converted
-    copy that has neither the gradient hook nor a place in the gather schedule (gradients would silently stop
-    being averaged), and ``load_state_dict(assign=True)`` replaces parameters outright.  One identity check per
-    parameter per forward catches both before anything runs."""
-    for submodule, name, param in owners:
-        current = submodule._parameters.get(name)
-        if current is not param or (isinstance(param, ShardedParam) and param._gatherer is not gatherer):
-            fqn = param._name if isinstance(param, ShardedParam) else name
-            what = (f"{type(current).__name__}({tuple(current.shape)}, {current.dtype}, {current.device})"
-                    if isinstance(current, torch.Tensor) else repr(current))
-            raise RuntimeError(
-                f"shardtensor: parameter {fqn!r} was converted or replaced after shard_module (now {what}): "
-                "model.to(...)/.double()/.half()/.cuda() or load_state_dict(assign=True) on a sharded model drops "
-                "its gradient hook and gather schedule, so gradients would silently stop being averaged across "
-                "ranks. Fix: move or convert the model before shard_module (or shard a fresh model and load "
-                "shardtensor.full_state_dict into it)."
-            )
-
-
 def _refuse_parameters_sharded_elsewhere(module: nn.Module) -> None:
     """A parameter shared with a module that another ``shard_module`` call sharded would end up as two
     independent shards (two copies, two gradients): the tie breaks silently.  Refuse before replacing anything."""
@@ -288,32 +273,6 @@ def _refuse_dtensor_parameters(module: nn.Module) -> None:
                 f"mesh {tuple(param.device_mesh.shape)}); sharding tensor-parallel parameters is not supported yet. "
                 "Fix: call shard_module before parallelize_module, use fully_shard for 2-d (TP + FSDP) layouts, "
                 "or turn a 1-d Shard(0) DTensor into a ShardedParam with ShardedParam.from_dtensor."
-            )
-
-
-def _check_same_model_on_every_rank(module: nn.Module, group) -> None:
-    """Different models on different ranks would make the gathers disagree (a hang or garbage): fail now."""
-    if _comm.world_size(group) == 1:
-        return
-    fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
-    plan = (_comm.world_size(group), _comm.group_ranks(group))
-    everyone = _comm.all_gather_object(
-        (plan, fingerprint), group,
-        label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
-    for other_rank, (other_plan, other) in enumerate(everyone):
-        if other_plan != plan:
-            raise ValueError(
-                f"shard_module on rank {_comm.rank(group)}: rank {other_rank} shards over a different process group "
-                f"(world size {other_plan[0]}, global ranks {other_plan[1]}) than this rank (world size {plan[0]}, "
-                f"global ranks {plan[1]}). Every rank must pass the same group to shard_module."
-            )
-    for other_rank, (other_plan, other) in enumerate(everyone):
-        if other != fingerprint:
-            mine = set(fingerprint)
-            diff = sorted(mine.symmetric_difference(other))[:3]
-            raise ValueError(
-                f"shard_module on rank {_comm.rank(group)}: rank {other_rank} has a different model "
-                f"(first differences: {diff}). Every rank must shard the same architecture."
             )
 
 

@@ -82,6 +82,58 @@ def test_different_models_on_different_ranks_fail_at_shard_module():
         assert "has a different model" in message and "weight" in message, (rank, message)
 
 
+def rank_dependent_setup(which: str) -> str:
+    rank = _comm.rank()
+    try:
+        if which == "order":  # the same parameters, registered in another order on rank 1
+            model = nn.Module()
+            for name in ("a", "b") if rank == 0 else ("b", "a"):
+                setattr(model, name, nn.Parameter(torch.zeros(4, 3)))
+            shardtensor.shard_module(model)
+        else:  # a setting that decides which collectives run
+            kwargs = {"gather": ["overlapped", "sequential"][rank]} if which == "gather" else \
+                {"prefetch_bytes": 1000 * (rank + 1)}
+            shardtensor.shard_module(_mlp(), **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("which", ["gather", "prefetch_bytes"])
+def test_different_settings_on_different_ranks_fail_at_shard_module(which):
+    for rank, message in enumerate(run_on_ranks(2, rank_dependent_setup, which)):
+        assert "different settings" in message and f"{which}=" in message, (rank, message)
+
+
+def test_parameters_in_another_order_are_named():
+    for rank, message in enumerate(run_on_ranks(2, rank_dependent_setup, "order")):
+        assert "another order" in message and "'a'" in message and "'b'" in message, (rank, message)
+
+
+def added_after_sharding(how: str) -> str:
+    model = shardtensor.shard_module(_mlp())
+    model(torch.randn(2, 3))
+    if how == "head":
+        model.append(nn.Linear(2, 2))
+    elif how == "frozen_head":
+        model.append(nn.Linear(2, 2).requires_grad_(False))
+    else:
+        nn.utils.parametrizations.weight_norm(model[0])
+    try:
+        model(torch.randn(2, 3))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_parameters_added_or_parametrized_after_sharding_fail_at_the_next_forward():
+    for message in run_on_ranks(2, added_after_sharding, "head"):
+        assert "'3.weight'" in message and "was added after shard_module" in message, message
+    for message in run_on_ranks(2, added_after_sharding, "weight_norm"):
+        assert "'0.weight' was removed" in message and "parametrization" in message, message
+    assert run_on_ranks(2, added_after_sharding, "frozen_head") == ["no error"] * 2  # nothing to average
+
+
 def test_ops_that_would_write_into_a_shard_name_the_op():
     p = ShardedParam.from_full(torch.randn(4, 3), name="w")
     with torch.no_grad():

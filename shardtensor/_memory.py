@@ -15,13 +15,16 @@ is not free (about 20 us); memory does not change meaningfully within a few mill
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 __all__ = ["MemoryMonitor", "shared_monitor"]
+
+log = logging.getLogger("shardtensor")
 
 
 class MemoryMonitor:
@@ -91,3 +94,40 @@ def shared_monitor() -> MemoryMonitor:
         if _SHARED is None:
             _SHARED = MemoryMonitor()
         return _SHARED
+
+
+# [Note: auto mode decides on every rank alike]
+# Overlapped and sequential gathers issue different collectives: overlapped mode prefetches and keeps a buffer
+# for its next use, sequential mode drops it and gathers again.  So ``gather="auto"`` must not switch on one rank's
+# reading alone: ranks share a host's memory unevenly (or a GPU with other processes), and a rank that switched
+# alone issued other collectives than its peers (a DivergenceError mid-step, or a hang where the check is off).
+# Each rank notes whether memory ran low during a step; at the next step's start every rank takes part in one
+# all-reduce (max) of that flag, and all switch together: sequential for the step if any rank ran low.
+class AgreedPressure:
+    """``gather="auto"``'s switch: the same on every rank of ``group``, changed only at step boundaries."""
+
+    def __init__(self, free_memory_fn: Callable[[torch.device], int], min_free_bytes: int):
+        self.free_memory_fn = free_memory_fn
+        self.min_free_bytes = int(min_free_bytes)
+        self.pressure = False  # the agreed state: sequential while True
+        self._ran_low = False  # this rank's reading went below min_free_bytes since the last agreement
+
+    def sample(self, device: torch.device) -> None:
+        if not self._ran_low and self.free_memory_fn(device) < self.min_free_bytes:
+            self._ran_low = True
+
+    def agree(self, device: torch.device, group) -> bool:
+        """Every rank, at a step boundary: the state for the next step.  One all-reduce of one number."""
+        from . import _comm  # (every collective lives in the comm modules)
+
+        self.sample(device)
+        flag = torch.tensor([1.0 if self._ran_low else 0.0], device=device)
+        _comm.all_reduce(flag, group, op="max", label="gather='auto' memory-pressure agreement")
+        self._ran_low = False
+        pressure = bool(flag.item())
+        if pressure != self.pressure:
+            log.warning("shardtensor: gather=auto switched to %s (free memory %s min_free_bytes on %s rank)",
+                        "sequential" if pressure else "overlapped", "<" if pressure else ">=",
+                        "some" if pressure else "every")
+        self.pressure = pressure
+        return pressure

@@ -7,7 +7,8 @@ Modes (``GatherMode``):
     async all-gathers for the next parameters in that order while the current op runs, within
     ``prefetch_bytes``.  A gather that does not match the recorded order is detected, in-flight prefetches are
     drained (every rank issued them, so every rank must complete them), and the rest of the step is re-recorded.
-  - ``auto``: overlapped while free memory stays above ``min_free_bytes``; sequential below it.
+  - ``auto``: overlapped while free memory stays above ``min_free_bytes``; sequential for the next step once any
+    rank ran below it (decided by every rank together at each step's start: ``_memory.AgreedPressure``).
 
 [Note: reuse window]
 Both modes record the order.  When an op releases a parameter that the *next* recorded gather needs again (the
@@ -33,7 +34,7 @@ import torch
 from . import _comm
 from ._layout import ShardLayout, apply_views
 from ._full import gather_full, gather_now  # noqa: F401  (gather_full: re-exported for callers of the Gatherer)
-from ._memory import shared_monitor
+from ._memory import AgreedPressure, shared_monitor
 
 if TYPE_CHECKING:  # annotations only: tensor.py imports this module (ShardedParam.full_tensor)
     from .tensor import ShardedParam
@@ -106,8 +107,7 @@ class Gatherer:
         self.mode = GatherMode(mode)
         self.param_dtype = param_dtype  # mixed precision: cast the shard before the collective (half the bytes)
         self.prefetch_bytes = None if prefetch_bytes is None else int(prefetch_bytes)  # None: see _budget
-        self.min_free_bytes = int(min_free_bytes)
-        self.free_memory_fn = free_memory_fn or _free_memory_bytes
+        self.auto = AgreedPressure(free_memory_fn or _free_memory_bytes, min_free_bytes)  # gather="auto"
         # Where a gather reads the shard from: ``param._local`` unless an offload (``shardtensor.offload.
         # CPUOffload``) homes shards elsewhere and hands over a device copy, prefetched in the recorded order.
         self._shard_source: Optional[ShardSource] = None
@@ -121,7 +121,6 @@ class Gatherer:
         self._backward_end_queued = False  # an end-of-backward callback will start the next step
         self._step_ended = False  # a backward ended: the next gather starts a step (no root forward seen)
         self._steps_marked = False  # someone calls step_begin (the root forward hook): trust it
-        self._pressure = False  # auto mode: currently sequential because memory is low
         self._communicates = False  # a world of one gathers by aliasing: nothing to prefetch or overlap
         self._aliases_shards = False  # ... and with nothing to cast or fetch, acquire() returns the shard itself
         # accounting, read by tests and benchmarks
@@ -201,6 +200,8 @@ class Gatherer:
 
     def _begin_step(self) -> None:
         self._drop_all()
+        if self.mode is GatherMode.AUTO and self._communicates:  # every rank alike (see _memory.AgreedPressure)
+            self.auto.agree(self._params[0].device, self._params[0]._layout.group)
         if self._state is GatherState.RECORDING and self._recording:
             self._order = self._recording
             self._to_state(GatherState.REPLAYING)
@@ -321,13 +322,8 @@ class Gatherer:
         if self.mode is GatherMode.SEQUENTIAL or not self._communicates:
             return False
         if self.mode is GatherMode.AUTO:
-            device = self._params[0]._local.device if self._params else torch.device("cpu")
-            pressure = self.free_memory_fn(device) < self.min_free_bytes
-            if pressure != self._pressure:
-                self._pressure = pressure
-                log.warning("shardtensor: gather=auto switched to %s (free memory %s min_free_bytes)",
-                            "sequential" if pressure else "overlapped", "<" if pressure else ">=")
-            return not pressure
+            self.auto.sample(self._params[0]._local.device)  # applied at the next step, on every rank alike
+            return not self.auto.pressure
         return True
 
     def _prefetch(self) -> None:
@@ -382,7 +378,7 @@ class Gatherer:
     def _evict_unused(self) -> None:
         """Sequential mode's promise: before a new gather, nothing unused stays alive."""
         for index in [i for i, e in self._entries.items() if e.users <= 0 and e.work is None]:
-            if self.mode is GatherMode.SEQUENTIAL or self._pressure:
+            if self.mode is GatherMode.SEQUENTIAL or self.auto.pressure:
                 self._drop(index)
 
     def _drop(self, index: int) -> None:

@@ -144,7 +144,7 @@ def auto_mode_switch() -> tuple[int, int]:
                                      min_free_bytes=1000)
     gatherer = model._shardtensor.gatherer
     free = {"bytes": 10_000}
-    gatherer.free_memory_fn = lambda device: free["bytes"]
+    gatherer.auto.free_memory_fn = lambda device: free["bytes"]
     x = torch.randn(3, 4)
     for _ in range(2):
         model(x).sum().backward()
@@ -159,6 +159,44 @@ def test_auto_mode_stops_prefetching_under_memory_pressure():
     for plenty, under_pressure in run_on_ranks(2, auto_mode_switch):
         assert plenty > 0
         assert under_pressure == 0
+
+
+def auto_mode_one_rank_low(low_steps: tuple) -> dict:
+    """Only rank 0's memory runs low (ranks share a host unevenly), in the steps ``low_steps``: every rank must
+    switch with it (each mode issues its own collectives), and the numbers stay those of overlapped mode."""
+    import shardtensor
+
+    results = {}
+    for gather in ("auto", "overlapped"):
+        torch.manual_seed(0)
+        model = shardtensor.shard_module(
+            nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2))), gather=gather,
+            min_free_bytes=1000)
+        gatherer, step = model._shardtensor.gatherer, [0]
+        gatherer.auto.free_memory_fn = lambda device: 10 if _comm_rank() == 0 and step[0] in low_steps else 10_000
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(7 + _comm_rank())
+        modes = []
+        for step[0] in range(5):
+            model(torch.randn(3, 4, generator=gen)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            modes.append(gatherer.auto.pressure)
+        results[gather] = ({n: p.full_tensor() for n, p in model.named_parameters()}, modes)
+    (auto, modes), (overlapped, _) = results["auto"], results["overlapped"]
+    return {"modes": modes, "off": max((auto[n] - overlapped[n]).abs().max().item() for n in auto)}
+
+
+def _comm_rank() -> int:
+    return torch.distributed.get_rank()
+
+
+@pytest.mark.parametrize("low_steps", [(1, 2, 3, 4), (2,)])
+def test_auto_mode_switches_on_every_rank_when_one_runs_low(low_steps):
+    results = run_on_ranks(2, auto_mode_one_rank_low, low_steps)
+    assert results[0]["modes"] == results[1]["modes"], results  # the same schedule on both ranks
+    assert any(results[0]["modes"]), results  # it did switch to sequential
+    assert all(r["off"] < 1e-6 for r in results), results
 
 
 class _FailingBackward(torch.autograd.Function):

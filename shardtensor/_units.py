@@ -74,6 +74,7 @@ class _Unit:
         self.pool, self.gives = None, False  # (see [Note: recycled full tensors])
         self.in_flight: list = []  # UnitSet's reductions in flight (see finish_reductions)
         self.unheld: set[int] = set()  # positions stashed outside a hold (see [Note: unheld gradients])
+        self.backward_task = -1  # the graph task that last held the unit for backward
 
     def reset(self) -> None:
         """Forget what a failed backward left (held buffers, stashed gradients): a new backward starts clean."""
@@ -228,7 +229,7 @@ class UnitSet:
         self.gatherer = gatherer
         self.pool = FullsPool()
         self.in_flight: list = []  # unit reductions in flight (see finish_reductions)
-        self._backward_task = None  # graph task whose end-of-backward callback is queued
+        self._tasks: set[int] = set()  # graph tasks whose end-of-backward callback is queued and has not run
         uses: dict[int, int] = {}
         for _, p in root.named_parameters(remove_duplicate=False):
             uses[id(p)] = uses.get(id(p), 0) + 1
@@ -278,6 +279,7 @@ class UnitSet:
         def hook(module, args, kwargs):
             if torch.compiler.is_compiling():  # traced gathers instead (see _traced.py)
                 return None
+            self._drop_failed_backward()
             unit.hold()
             self._prefetch_after(unit, +1)
             self.pool.clear()
@@ -308,23 +310,35 @@ class UnitSet:
         return hook
 
     def _pre_backward(self, unit: _Unit) -> None:
-        self._queue_end_of_backward()
+        unit.backward_task = self._queue_end_of_backward()
         unit.hold()
         unit.backward_holds += 1
         unit.gives = self._next_overlapped(unit, -1) is not None  # for the unhold after backward
         self._prefetch_after(unit, -1)
         self.pool.clear()
 
-    def _queue_end_of_backward(self) -> None:
+    # [Note: nested and failed backwards]
+    # A backward can run inside another: reentrant activation checkpointing recomputes a block and runs its own
+    # ``torch.autograd.backward`` from within the outer one.  Each graph task gets its own end-of-backward callback,
+    # and the outer task's state (stashed gradients, reductions in flight) is kept.  A backward that raised never
+    # runs its callback: its state is dropped at the next forward that runs outside any backward, which no nested
+    # backward can be (a reentrant recomputation runs inside one).
+    def _queue_end_of_backward(self) -> int:
         task = torch._C._current_graph_task_id()
-        if task != -1 and task != self._backward_task:
-            if self._backward_task is not None:  # the previous backward failed before its end: drop its state
-                for unit in self.units:
-                    unit.reset()
-                self.in_flight.clear()
-                _grad_landing.forget_placeholders()
-            self._backward_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if task != -1 and task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
+        return task
+
+    def _drop_failed_backward(self) -> None:
+        """A forward outside any backward while a backward's end never came: that backward failed."""
+        if not self._tasks or torch._C._current_graph_task_id() != -1:
+            return
+        self._tasks.clear()
+        for unit in self.units:
+            unit.reset()
+        self.in_flight.clear()
+        _grad_landing.forget_placeholders()
 
     def _prefetch_after(self, unit: _Unit, step: int) -> None:
         """Overlapped mode: start the next unit's gathers (forward: the next in module order; backward: the
@@ -341,15 +355,19 @@ class UnitSet:
         """Root forward: prefetches nobody used (the order changed) are completed and dropped."""
         if torch.compiler.is_compiling():
             return
+        self._drop_failed_backward()
         for unit in self.units:
             unit.drop_prefetch()
         self.pool.clear()
 
-    def _end_of_backward(self) -> None:
-        """Units whose inputs needed no gradient (no post-backward node ran): free and reduce, in unit order."""
-        self._backward_task = None
+    def _end_of_backward(self, task: int) -> None:
+        """Units this backward held whose inputs needed no gradient (no post-backward node ran): free and reduce,
+        in unit order.  A unit an enclosing backward holds is left to that one's end."""
+        self._tasks.discard(task)
         for unit in self.units:
             unit.drop_prefetch()
+            if unit.backward_task in self._tasks:  # held by a backward still running around this one
+                continue
             unit.gives = False  # nothing follows
             while unit.backward_holds:
                 unit.post_backward()

@@ -29,9 +29,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Embedding, a stack of blocks (optionally checkpointed, non-reentrant), a head."""
+    """Embedding, a stack of blocks (optionally checkpointed: ``ckpt=True`` non-reentrant, ``"reentrant"``), a head."""
 
-    def __init__(self, vocab: int = 11, dim: int = 6, layers: int = 2, ckpt: bool = False):
+    def __init__(self, vocab: int = 11, dim: int = 6, layers: int = 2, ckpt: "bool | str" = False):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList([Block(dim) for _ in range(layers)])
@@ -41,7 +41,7 @@ class Net(nn.Module):
     def forward(self, idx):
         x = self.emb(idx)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+            x = checkpoint(block, x, use_reentrant=self.ckpt == "reentrant") if self.ckpt else block(x)
         return self.head(x)
 
 
@@ -91,16 +91,21 @@ def _assert_same_training(result, reference, atol=1e-10):
 
 
 # ---------------------------------------------------------------------------------------------- checkpointing
-def ckpt_case(world: int) -> tuple:
+def ckpt_case(world: int, ckpt: "bool | str", gather: str) -> tuple:
     torch.manual_seed(0)
-    model = Net(ckpt=True).double()
+    model = Net(ckpt=ckpt).double()
     reference = _reference(copy.deepcopy(model), _batches(world, 3))
-    return _sharded(shardtensor.shard_module(model, gather="sequential"), _batches(world, 3)), reference
+    return _sharded(shardtensor.shard_module(model, gather=gather), _batches(world, 3)), reference
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_activation_checkpointing_equals_unsharded(world):
-    for result, reference in run_on_ranks(world, ckpt_case, world):
+# Reentrant checkpointing runs each block's backward as a backward of its own, inside the outer one: the gather
+# units (overlapped mode) must not take it for a new backward that replaced a failed one (they once dropped the
+# gradient that arrived first, a block's last bias, silently).
+@pytest.mark.parametrize("world,ckpt,gather", [(1, True, "sequential"), (2, True, "sequential"),
+                                               (2, True, "overlapped"), (2, "reentrant", "overlapped"),
+                                               (2, "reentrant", "sequential")])
+def test_activation_checkpointing_equals_unsharded(world, ckpt, gather):
+    for result, reference in run_on_ranks(world, ckpt_case, world, ckpt, gather):
         _assert_same_training(result, reference)
 
 
@@ -295,7 +300,7 @@ def test_torch_compile_same_loss_as_eager():
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
-def hf_case(world: int) -> tuple:
+def hf_case(world: int, reentrant_checkpointing: bool = False) -> tuple:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=23, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0,
@@ -318,6 +323,8 @@ def hf_case(world: int) -> tuple:
         ref_losses.append(loss.item())
 
     shardtensor.shard_module(model)
+    if reentrant_checkpointing:  # each block's backward runs inside the outer one (see ckpt_case)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     tied = model.lm_head.weight is model.transformer.wte.weight
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -335,8 +342,9 @@ def hf_case(world: int) -> tuple:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
-def test_hugging_face_gpt2_trains_like_unsharded():
-    for losses, ref_losses, diff, tied in run_on_ranks(2, hf_case, 2):
+@pytest.mark.parametrize("reentrant_checkpointing", [False, True])
+def test_hugging_face_gpt2_trains_like_unsharded(reentrant_checkpointing):
+    for losses, ref_losses, diff, tied in run_on_ranks(2, hf_case, 2, reentrant_checkpointing):
         assert tied
         assert losses == pytest.approx(ref_losses, rel=1e-10), (losses, ref_losses)
         assert diff < 1e-10, diff

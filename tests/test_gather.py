@@ -209,18 +209,33 @@ class _FailingBackward(torch.autograd.Function):
         raise RuntimeError("backward failed on purpose")
 
 
-def gradients_after_a_failed_backward() -> float:
-    """A backward that raises after some reductions were issued must not leave them unfinished (or finish
-    them into the next step's gradients)."""
+class _FailOnce(nn.Module):
+    """Identity whose backward raises while ``armed``: a failure inside a gather unit's backward."""
+
+    armed = False
+
+    def forward(self, x):
+        return _FailingBackward.apply(x) if self.armed else x
+
+
+def gradients_after_a_failed_backward(inside_unit: bool) -> float:
+    """A backward that raises after some reductions were issued (or, inside a unit, after some of the unit's
+    gradients were stashed) must not leave them unfinished, or finish them into the next step's gradients."""
     import shardtensor
 
-    torch.manual_seed(0)
-    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), gather="overlapped")
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), _FailOnce(), nn.Linear(6, 2)))
+
+    model, reference = shardtensor.shard_module(build(), gather="overlapped"), build()
     x = torch.randn(3, 4)
     with pytest.raises(RuntimeError, match="on purpose"):
-        model[1](_FailingBackward.apply(model[0](x))).sum().backward()
+        if inside_unit:
+            model[1][1].armed = True
+            model(x).sum().backward()
+        else:
+            model[1](_FailingBackward.apply(model[0](x))).sum().backward()
+    model[1][1].armed = False
     model.zero_grad(set_to_none=True)
     model(x).sum().backward()
     reference(x).sum().backward()
@@ -228,8 +243,9 @@ def gradients_after_a_failed_backward() -> float:
                for p, q in zip(model.parameters(), reference.parameters()))
 
 
-def test_a_failed_backward_leaves_no_half_reduced_gradients():
-    assert max(run_on_ranks(2, gradients_after_a_failed_backward)) < 1e-6
+@pytest.mark.parametrize("inside_unit", [False, True])
+def test_a_failed_backward_leaves_no_half_reduced_gradients(inside_unit):
+    assert max(run_on_ranks(2, gradients_after_a_failed_backward, inside_unit)) < 1e-6
 
 
 def gatherer_bookkeeping_sizes(steps: int) -> int:

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "amp_found_inf_not_reduced": Mutation(
+        "shardtensor/_dispatch/reductions.py", "_amp_unscale",
+        "if groups:", "if False:",
+        ("tests/test_composability.py::test_grad_scaler_skips_a_step_on_every_rank_together",)),
     "failed_backward_state_kept": Mutation(
         "shardtensor/_units.py", "_drop_failed_backward",
         "if not self._tasks or torch._C._current_graph_task_id() != -1:", "if True:",

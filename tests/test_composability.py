@@ -251,6 +251,46 @@ def test_gradient_sync_off_then_on_equals_synced(world):
         assert deferred_bytes == 0 and enabled
 
 
+# ---------------------------------------------------------------------------------------------- GradScaler
+def grad_scaler_case(world: int, gather: str) -> tuple:
+    """``torch.amp.GradScaler`` around the sharded step: every rank must skip a step together when any rank's
+    gradient rows overflowed (``found_inf`` is all-reduced), or the ranks' shards drift apart silently."""
+    torch.manual_seed(0)
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    shardtensor.shard_module(model, gather=gather)
+    batches, last_row = _batches(world, 4), model.emb.weight.shape[0] - 1  # a row only the last rank holds
+    results = []
+    for net, sharded in ((model, True), (reference, False)):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        for i, step in enumerate(batches):
+            loss = _loss(net, step[dist.get_rank()]) if sharded else sum(_loss(net, b) for b in step) / world
+            scaler.scale(loss).backward()
+            if i == 1:  # an overflow in one row of the embedding's gradient
+                grad = net.emb.weight.grad
+                if not sharded:
+                    grad[last_row] = float("inf")
+                elif dist.get_rank() == world - 1:
+                    layout = grad.shard_layout
+                    grad.to_local()[last_row - layout.row_start] = float("inf")
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append(((shardtensor.full_state_dict(net) if sharded else net.state_dict()), scaler.get_scale()))
+    (state, scale), (ref_state, ref_scale) = results
+    return scale, ref_scale, max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+
+
+@pytest.mark.parametrize("gather", ["overlapped", "sequential"])
+def test_grad_scaler_skips_a_step_on_every_rank_together(gather):
+    for scale, ref_scale, off in run_on_ranks(2, grad_scaler_case, 2, gather):
+        assert scale == ref_scale == 2.0 ** 11, (scale, ref_scale)  # one skipped step halved it, on every rank
+        assert off < 1e-10, off
+
+
 # ---------------------------------------------------------------------------------------------- unshard
 def unshard_case() -> tuple:
     torch.manual_seed(8)

@@ -15,8 +15,9 @@ import torch
 from .. import _comm
 from .._full import gather_full
 from ..tensor import ShardedParam
-from ._common import _chain_is_bijective, _params_in, aten, implements
+from ._common import _chain_is_bijective, _mark_written, _params_in, aten, implements
 from .compute import compute
+from .refusals import _refuse
 
 
 def _valid(p: ShardedParam) -> torch.Tensor:
@@ -181,3 +182,20 @@ implements([aten.max.default, aten.amax.default])(_simple_reduction("max", _max_
 implements([aten.min.default, aten.amin.default])(_simple_reduction("min", _min_local))
 implements(aten.all.default)(_simple_reduction("min", lambda x, *_: x.all().to(torch.uint8), lambda total, p: total.bool()))
 implements(aten.any.default)(_simple_reduction("max", lambda x, *_: x.any().to(torch.uint8), lambda total, p: total.bool()))
+
+
+
+@implements(aten._amp_foreach_non_finite_check_and_unscale_.default)
+def _amp_unscale(func, args, kwargs):
+    """``GradScaler.unscale_`` (and its step): each gradient shard is unscaled in place and checked for inf/NaN on
+    this rank; ``found_inf`` is then all-reduced (max) over the shards' groups, so every rank skips the step
+    together when any rank's rows overflowed (a rank that skipped alone would drift from the others silently)."""
+    grads, found_inf, inv_scale = (*args, *(kwargs[k] for k in ("found_inf", "inv_scale") if k in kwargs))
+    if any(isinstance(g, ShardedParam) and g._views for g in grads):
+        _refuse(func, args, kwargs, "a gradient is a view of a shard")
+    func([g._local if isinstance(g, ShardedParam) else g for g in grads], found_inf, inv_scale)
+    _mark_written([g for g in grads if isinstance(g, ShardedParam)])
+    groups = list({id(g._layout.group): g._layout.group for g in grads if isinstance(g, ShardedParam)}.values())
+    if groups:
+        partials = _reduce_partials(found_inf.reshape(1).repeat(len(groups)), groups, "max")
+        found_inf.copy_(partials.max().reshape(found_inf.shape))

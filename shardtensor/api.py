@@ -211,6 +211,7 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
             check_materialized(module)  # a meta-device model must go through materialize() first
             if grad_sync is not None:
                 grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
+                grad_sync.attach_unfrozen()  # parameters frozen at shard_module, trainable now
             gatherer.step_begin()
         if param_dtype is None:
             return None
@@ -224,8 +225,8 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
     if not param.is_floating_point() and not param.is_complex():
         return param
     if param.is_complex() or param.dim() == 0 or param.numel() < persist_numel:  # complex: replicated, averaged
-        if param.requires_grad and _comm.world_size(group) > 1:
-            handles.append(param.register_hook(grad_sync.replicated_grad_hook(group, param)))
+        if _comm.world_size(group) > 1:
+            grad_sync.attach(param, handles, group=group)
         return param
     if layout is None:
         layout = ShardLayout.for_shape(param.shape, group)
@@ -240,8 +241,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
     new._gatherer = gatherer
     new._name = fqn
     gatherer.register(new)
-    if new.requires_grad:
-        handles.append(torch.Tensor.register_hook(new, grad_sync.sharded_grad_hook(new, fqn)))
+    grad_sync.attach(new, handles, key=fqn)
     return new
 
 

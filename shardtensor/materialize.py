@@ -171,13 +171,11 @@ def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.devic
         param._gatherer, param._name = state.gatherer, fqn
         getattr(state.gatherer, "_index", {}).pop(id(meta_local), None)  # the meta shard is gone: no stale id
         state.gatherer.register(param)
-        if param.requires_grad:
-            hook = state.grad_sync.sharded_grad_hook(param, fqn)
-            state.hook_handles.append(torch.Tensor.register_hook(param, hook))
+        state.grad_sync.attach(param, state.hook_handles, key=fqn)
         return
     # 0-d, complex or non-floating: replicated, allocated whole
     real = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, real)
     param._backward_hooks = None
-    if param.requires_grad and (param.is_floating_point() or param.is_complex()) and _comm.world_size(state.group) > 1:
-        state.hook_handles.append(param.register_hook(state.grad_sync.replicated_grad_hook(state.group, param)))
+    if (param.is_floating_point() or param.is_complex()) and _comm.world_size(state.group) > 1:
+        state.grad_sync.attach(param, state.hook_handles, group=state.group)

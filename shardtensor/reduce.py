@@ -159,6 +159,27 @@ class GradSync:
         self._replicated: list[tuple[torch.Tensor, object]] = []  # (parameter, group): .grad averaged at the end
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
+        self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable
+
+    # A parameter frozen at shard time (``requires_grad=False``) can take no hook (torch refuses one), and one
+    # unfrozen later would otherwise train on its own full, unaveraged gradient.  So its hook is registered at the
+    # first root forward that finds it trainable (``attach_unfrozen``).
+    def attach(self, param: torch.Tensor, handles: list, *, key: Optional[str] = None, group=None) -> None:
+        """Register ``param``'s gradient hook: the sharded one (``key``: its name), or the replicated one
+        (``group``); now if it requires a gradient, else once it does."""
+        if not param.requires_grad:
+            self._frozen[id(param)] = (param, key, group, handles)
+            return
+        self._frozen.pop(id(param), None)
+        if key is not None:
+            handles.append(torch.Tensor.register_hook(param, self.sharded_grad_hook(param, key)))
+        else:
+            handles.append(param.register_hook(self.replicated_grad_hook(group, param)))
+
+    def attach_unfrozen(self) -> None:
+        """Root forward: hook the parameters frozen at shard time that require a gradient now."""
+        for param, key, group, handles in [v for v in self._frozen.values() if v[0].requires_grad]:
+            self.attach(param, handles, key=key, group=group)
 
     # [Note: overlapped gradient reduction]
     # The first gradient of a parameter in a backward is reduce-scattered asynchronously: the hook returns a

@@ -345,3 +345,40 @@ def test_data_assignment_writes_this_ranks_rows_or_is_refused():
             assert r["off"] < 1e-12 and r["after_refusals"] < 1e-12, r
             for error in r["errors"]:
                 assert error.startswith("ValueError") and "'0.weight'.data" in error and "Fix:" in error, error
+
+
+# --------------------------------------------------------------------------- frozen at shard_module, then unfrozen
+def unfreeze_case(persist_numel: int, meta: bool) -> float:
+    """Staged fine-tuning: a layer frozen when the model is sharded and unfrozen later must get its gradient
+    reduced like the others (torch refuses a hook on a tensor that needs no gradient, so it is hooked later)."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+    reference = build()
+    with torch.device("meta" if meta else "cpu"):
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    if not meta:
+        model.load_state_dict(reference.state_dict())
+    model[0].requires_grad_(False)
+    shardtensor.shard_module(model, persist_numel=persist_numel)
+    if meta:
+        shardtensor.materialize(model, lambda m: m.load_state_dict(reference.state_dict()))
+    model[0].requires_grad_(True)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (model, reference)]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        xs = [torch.randn(4, 5, generator=gen, dtype=torch.float64) for _ in range(world)]
+        model(xs[rank]).square().mean().backward()
+        (sum(reference(x).square().mean() for x in xs) / world).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    state = shardtensor.full_state_dict(model)
+    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+def test_a_layer_unfrozen_after_shard_module_trains_like_the_unsharded_one():
+    for persist_numel, meta in ((0, False), (7, False), (7, True)):  # 7: the 6-element bias stays replicated
+        assert max(run_on_ranks(2, unfreeze_case, persist_numel, meta)) < 1e-12, (persist_numel, meta)

@@ -30,7 +30,7 @@ class Mutation(NamedTuple):
 MUTATIONS = {
     "unfrozen_parameters_never_hooked": Mutation(
         "shardtensor/reduce.py", "attach_unfrozen",
-        "for param, key, group, handles in", "for param, key, group, handles in () or",
+        "for param, key, group, handles in", "for param, key, group, handles in [] and",
         ("tests/test_misuse.py::test_a_layer_unfrozen_after_shard_module_trains_like_the_unsharded_one",)),
     "amp_found_inf_not_reduced": Mutation(
         "shardtensor/_dispatch/reductions.py", "_amp_unscale",

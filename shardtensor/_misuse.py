@@ -14,6 +14,8 @@ gradient is deferred.
 - ``torch.save(model.state_dict())`` on rank 0, ``load_state_dict(torch.load(...))`` on every rank (DDP's habit):
   the file holds rank 0's shards only, and another rank would gather them alone (refused before anything is
   copied, naming the key);
+- an optimizer state dict loaded from another rank's file (or another world size's, or an unsharded run's): the
+  step would mix other rows into this rank's (refused at the first step after the load, naming the state);
 - a parameter used only in a deferred micro-batch: the synced backward never reaches its hook, so its deferred
   gradient is reduced at the end of that backward (``flush_deferred``);
 - ranks that shard different models, or the same model with other settings (``gather=``, ``prefetch_bytes``,
@@ -131,6 +133,46 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
     _CHECKED[optimizer] = count
 
 
+_STATE_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> id of the state dict checked
+
+
+def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
+    """``opt.load_state_dict(torch.load(f))`` with a file another rank saved (rank 0's, on every rank), one saved
+    at another world size, or one of an unsharded run: the state's shards are other rows than this rank's
+    parameters (the step would mix them, or fail on one rank only with an unrelated message).  Checked at the
+    first step after ``load_state_dict`` (which replaces ``optimizer.state``): one id comparison per step else."""
+    if _STATE_SEEN.get(optimizer) == id(optimizer.state):
+        return
+    from ._layout import ShardLayout
+    from .tensor import ShardedParam
+
+    here = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, ShardedParam) or p not in optimizer.state:
+                continue
+            here = (p._layout.rank, p._layout.world)
+            for key, value in optimizer.state[p].items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue
+                if isinstance(value, ShardedParam):
+                    saved = (getattr(value._layout, "rank", None), getattr(value._layout, "world", None))
+                    if saved == here and value._layout.shape == p._layout.shape:
+                        continue
+                    what = f"rank {saved[0]}'s rows of a {saved[1]}-rank run"
+                elif type(p._layout) is ShardLayout and here[1] > 1 and value.shape == p.shape:
+                    what = f"a full {type(value).__name__} of shape {tuple(value.shape)} (an unsharded run's)"
+                else:  # an optimizer's own per-rank layout (CPUAdam's host shards, Muon's owned tensors)
+                    continue
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of {p._name!r} is {what}, but "
+                    f"this is rank {here[0]} of {here[1]}: a state dict loaded from another rank's or another "
+                    "run's file. Nothing was updated. Fix: torch.save(opt.state_dict()) and load it back on each "
+                    "rank with its own file at the same world size, or shardtensor.save_checkpoint(dir, model, opt) "
+                    "/ load_checkpoint (any world size).")
+    _STATE_SEEN[optimizer] = id(optimizer.state)
+
+
 # ------------------------------------------------------------------------------------------- at the first forward
 class MaterializedCheck:
     """Root forward pre-hook part: until one forward has found every parameter and buffer allocated, check that
@@ -212,6 +254,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     step would apply nothing useful, and the deferred gradients would leak into the next step.  Also refuses an
     optimizer built before ``shard_module``."""
     _refuse_optimizer_built_first(optimizer)
+    _refuse_state_of_another_rank(optimizer)
     busy = [gs for gs in list(_DEFERRING) if gs._deferred]
     if not busy:
         return

@@ -382,3 +382,48 @@ def unfreeze_case(persist_numel: int, meta: bool) -> float:
 def test_a_layer_unfrozen_after_shard_module_trains_like_the_unsharded_one():
     for persist_numel, meta in ((0, False), (7, False), (7, True)):  # 7: the 6-element bias stays replicated
         assert max(run_on_ranks(2, unfreeze_case, persist_numel, meta)) < 1e-12, (persist_numel, meta)
+
+
+# ------------------------------------------------------------------------ optimizer state from another rank's file
+def other_ranks_optimizer_state_case(path: str) -> dict:
+    """DDP's habit for optimizer state: rank 0 saves ``opt.state_dict()``, every rank loads that file; and an
+    unsharded run's optimizer state loaded into a sharded model's optimizer."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    rank = torch.distributed.get_rank()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model = shardtensor.shard_module(build())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(x).square().mean().backward()
+    opt.step()
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    torch.distributed.barrier()
+    out = {}
+    opt.load_state_dict(torch.load(path, weights_only=False))
+    model(x).square().mean().backward()
+    mine = [p.to_local().clone() for p in model.parameters()]
+    out["other_rank"] = _error_of(opt.step)
+    out["other_rank_unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(mine, model.parameters()))
+    plain = build()
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    plain(x).square().mean().backward()
+    plain_opt.step()
+    opt.load_state_dict(plain_opt.state_dict())
+    mine = [p.to_local().clone() for p in model.parameters()]
+    out["unsharded"] = _error_of(opt.step)
+    out["unsharded_unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(mine, model.parameters()))
+    return out
+
+
+def test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_step(tmp_path):
+    results = run_on_ranks(2, other_ranks_optimizer_state_case, str(tmp_path / "opt.pt"))
+    assert results[0]["other_rank"] == "no error", results  # rank 0's own file on rank 0
+    assert "'exp_avg' of '0.weight' is rank 0's rows of a 2-rank run, but this is rank 1 of 2" in \
+        results[1]["other_rank"], results
+    assert results[1]["other_rank_unchanged"], results  # the refused step updated nothing
+    for r in results:
+        assert "an unsharded run's" in r["unsharded"] and "Fix:" in r["unsharded"], r
+        assert r["unsharded_unchanged"], r

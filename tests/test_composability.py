@@ -226,6 +226,27 @@ def test_writes_through_row_views_land_on_the_rows_owner(world):
             assert out == {"same_init": True, "same_writes": True, "padding_row_zero": True}, (vocab, padding_idx, out)
 
 
+def orthogonal_case(rows: int, cols: int) -> str:
+    """``nn.init.orthogonal_`` writes its result through ``tensor.view_as(q)``: a view with the base's own
+    geometry, so a write through it is a write of the base (this rank's rows)."""
+    torch.manual_seed(0)
+    reference, model = nn.Linear(cols, rows), shardtensor.shard_module(nn.Linear(cols, rows))
+    torch.manual_seed(5)
+    nn.init.orthogonal_(reference.weight)
+    torch.manual_seed(5)
+    try:
+        nn.init.orthogonal_(model.weight)
+    except shardtensor.ShardedOpError as exc:
+        return str(exc)
+    return f"off {(model.weight.full_tensor() - reference.weight).abs().max().item()}"
+
+
+def test_orthogonal_init_writes_through_a_whole_base_view():
+    assert run_on_ranks(2, orthogonal_case, 7, 3) == ["off 0.0"] * 2
+    for message in run_on_ranks(2, orthogonal_case, 3, 7):  # a wide matrix transposes its draw in place
+        assert message.startswith("aten.t_.default would write into ShardedParam"), message
+
+
 # ---------------------------------------------------------------------------------------------- no_sync
 def no_sync_case(micro: int) -> tuple:
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._full import gather_full
-from .._layout import ShardLayout
+from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
 from ._common import (
     _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
@@ -196,13 +196,20 @@ def _write_dim0_rows(func, args, kwargs) -> bool:
     return True
 
 
+def _whole_base_view(view: ShardedParam) -> bool:
+    """A view with the base's own shape and layout (``w.view_as(w)``, ``w.view(w.shape)``): writing through it is
+    writing the base."""
+    shape, stride, offset = view_geometry(view._layout.shape, view._views)
+    return shape == view._layout.shape and offset == 0 and stride == torch.empty(shape, device="meta").stride()
+
+
 @implements(aten.copy_.default)
 def _copy(func, args, kwargs):
     """``load_state_dict`` copies a full tensor into each parameter: every rank keeps its own rows."""
     dst, src = args[0], args[1]
     if not isinstance(dst, ShardedParam):
         return compute(func, args, kwargs)  # plain.copy_(sharded): gather the source
-    if dst._views:
+    if dst._views and not _whole_base_view(dst):  # (nn.init.orthogonal_ writes through tensor.view_as(q))
         if _backward_temporaries([dst]):  # householder_product's / ormqr's backward fill a temporary's columns
             return _write_back(func, args, kwargs, [dst])
         _refuse(func, args, kwargs, "the destination is a view of a shard")

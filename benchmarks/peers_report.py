@@ -100,15 +100,17 @@ def acceptance(summary: dict[str, dict]) -> list[str]:
     return out
 
 
+ALONE = ("local", "zero3-floor")  # configs that train each rank's model alone (no gradient averaging)
+
+
 def loss_agreement(runs: dict[str, list[list[dict]]]) -> dict:
-    """Rank 0's losses of the first round, per config, and the largest difference between configs.  ``local``
-    trains each rank alone (no gradient averaging): only its first loss is compared."""
+    """Rank 0's losses of the first round, per config, and the largest difference between configs.  ``local`` and
+    ``zero3-floor`` train each rank alone (no gradient averaging): only their first loss is compared."""
     losses = {c: rounds[0][0]["losses"] for c, rounds in runs.items()}
-    ref = next(ls for c, ls in losses.items() if c != "local") if len(losses) > 1 or "local" not in losses \
-        else losses["local"]
-    worst = max(abs(a - b) for c, ls in losses.items() for a, b in zip(ls[:1] if c == "local" else ls, ref))
+    ref = next((ls for c, ls in losses.items() if c not in ALONE), next(iter(losses.values())))
+    worst = max(abs(a - b) for c, ls in losses.items() for a, b in zip(ls[:1] if c in ALONE else ls, ref))
     return {"rank0_losses_round1": losses, "max_abs_diff": worst,
-            "compared": "every step of every config; local's first step only"}
+            "compared": "every step of every config; local's and zero3-floor's first step only"}
 
 
 def _ratio(s: dict, key: str) -> str:
@@ -148,7 +150,7 @@ def markdown(result: dict, rounds: bool = False) -> str:
     for c, why in result.get("skipped", {}).items():
         parts.append(f"- SKIPPED {c}: {why}")
     parts.append(f"- losses agree across configs to {result['losses']['max_abs_diff']:.1e} (rank 0, round 1, every "
-                 "step; local, which trains each rank alone, its first step)")
+                 "step; local and zero3-floor, which train each rank alone, their first step)")
     load = result["machine"]
     parts.append(f"- load average before/after: {load['loadavg_before'][0]:.1f} / {load['loadavg_after'][0]:.1f} "
                  f"on {load['cpu_count']} cores")

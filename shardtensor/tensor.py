@@ -140,19 +140,29 @@ class ShardedParam(torch.Tensor):
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         """The full tensor (the same on every rank; this rank keeps its rows), or a tensor of this placement."""
+        name = self._name or "sharded tensor"
+        if isinstance(value, ShardedParam) and value._local is not self._local and value._gatherer is not None:
+            raise ValueError(  # (only a parameter's own views and aliases carry its gatherer)
+                f"{name!r}.data = {value._name!r}.data: torch would make the two parameters share storage, which "
+                "sharded parameters cannot (each keeps its own rows), so they would silently train apart. Fix: tie "
+                "them as one nn.Parameter before shard_module (m2.bias = m1.bias), or copy the values with "
+                "p.copy_(q).")
         if isinstance(value, ShardedParam) and (value._layout, value._views, value.dtype) == (
                 self._layout, self._views, self.dtype):
             if value._local is not self._local:
                 with torch.no_grad():
                     self._local.copy_(value._local)
             return
-        plain = isinstance(value, torch.Tensor) and not isinstance(value, ShardedParam)
-        if not (plain and not self._views and value.shape == self.shape and value.dtype == self.dtype
+        if isinstance(value, ShardedParam):
+            raise ValueError(
+                f"{name!r}.data = {value!r}: a sharded tensor of another placement, dtype or view (a transpose) "
+                "cannot become this parameter's shard. Fix: p.copy_(value) (it gathers what it needs).")
+        if not (not self._views and value.shape == self.shape and value.dtype == self.dtype
                 and value.device == self.device):
             got = (f"{type(value).__name__}({tuple(value.shape)}, {value.dtype}, {value.device})"
                    if isinstance(value, torch.Tensor) else type(value).__name__)
             raise ValueError(
-                f"{self._name or 'sharded tensor'!r}.data = {got}: a sharded parameter's .data takes the full tensor "
+                f"{name!r}.data = {got}: a sharded parameter's .data takes the full tensor "
                 f"({tuple(self.shape)}, {self.dtype}, {self.device}), the same on every rank, and keeps this rank's "
                 "rows; its shape, dtype and device cannot change after shard_module. Fix: convert or resize the "
                 "model before shard_module, or write values with p.copy_(full) (or p.to_local().copy_(rows)).")

@@ -336,7 +336,8 @@ def data_assignment_case(rows: int, seed: int) -> dict:
     off = (model(x) - plain(x)).abs().max().item()
     errors = [_error_of(lambda: setattr(model[0].weight, "data", full.float())),
               _error_of(lambda: setattr(model[0].weight, "data", full[:1].clone()))]
-    return {"off": off, "errors": errors, "after_refusals": (model(x) - plain(x)).abs().max().item()}
+    alias = _error_of(lambda: setattr(model[2].bias, "data", model[0].bias.data))  # torch: shared storage
+    return {"off": off, "errors": errors, "alias": alias, "after_refusals": (model(x) - plain(x)).abs().max().item()}
 
 
 def test_data_assignment_writes_this_ranks_rows_or_is_refused():
@@ -345,6 +346,7 @@ def test_data_assignment_writes_this_ranks_rows_or_is_refused():
             assert r["off"] < 1e-12 and r["after_refusals"] < 1e-12, r
             for error in r["errors"]:
                 assert error.startswith("ValueError") and "'0.weight'.data" in error and "Fix:" in error, error
+            assert "'2.bias'.data = '0.bias'.data" in r["alias"] and "share storage" in r["alias"], r
 
 
 # --------------------------------------------------------------------------- frozen at shard_module, then unfrozen

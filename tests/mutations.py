@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "data_assignment_ignored": Mutation(
+        "shardtensor/tensor.py", "data",
+        "self._layout.copy_own_rows(self._local, value.detach())", "pass",
+        ("tests/test_misuse.py::test_data_assignment_writes_this_ranks_rows_or_is_refused",)),
+    "autograd_grad_reduced": Mutation(
+        "shardtensor/_grad_landing.py", "captured_by_autograd_grad",
+        "return _captured[1]", "return False",
+        ("tests/test_grad_landing.py::test_autograd_grad_returns_this_ranks_gradient_and_leaves_grad_alone",)),
     "unfrozen_parameters_never_hooked": Mutation(
         "shardtensor/reduce.py", "attach_unfrozen",
         "for param, key, group, handles in", "for param, key, group, handles in [] and",

@@ -184,7 +184,6 @@ implements(aten.all.default)(_simple_reduction("min", lambda x, *_: x.all().to(t
 implements(aten.any.default)(_simple_reduction("max", lambda x, *_: x.any().to(torch.uint8), lambda total, p: total.bool()))
 
 
-
 @implements(aten._amp_foreach_non_finite_check_and_unscale_.default)
 def _amp_unscale(func, args, kwargs):
     """``GradScaler.unscale_`` (and its step): each gradient shard is unscaled in place and checked for inf/NaN on

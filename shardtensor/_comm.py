@@ -70,12 +70,18 @@ from ._comm_work import (  # noqa: E402,F401 (re-exported)
 
 # Imported here, after CollectiveError, which DivergenceError subclasses (the module imports it from this one).
 from . import _comm_divergence as _div  # noqa: E402
+from . import _comm_stall as _stall  # noqa: E402
 
 
 def _check(kind: str, tensor: torch.Tensor, group, label: str) -> int:
     """Before every data collective: the group's sequence number, after the cross-rank identity check
     (see [Note: the identity check] in ``_comm_divergence``)."""
     return _div.check_identity(kind, tensor, group, label or _label.get(), _identity_all_gather)
+
+
+def count_optimizer_step(group) -> None:
+    """An optimizer step over sharded parameters of ``group`` (see [Note: optimizer steps in the record])."""
+    _div.count_optimizer_step(group)
 
 
 def set_collective_timeout(seconds: float) -> float:
@@ -120,7 +126,7 @@ def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str,
         _div.build_control_group(group, _timeout_s)
     except Exception as exc:  # noqa: BLE001 - a member that died just now: the same named error as a collective
         message = _TimedWork(None, "identity check setup", inp, group, what, seq)._message(_timeout_s, exc)
-        _div.publish_failure(message)
+        _stall.publish_failure(message)
         raise CollectiveError(message) from exc
 
 
@@ -144,7 +150,7 @@ class _TimedWork:
             timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout))
         try:
             if self.cpu:  # probes name a rank that is provably elsewhere early (see [Note: stall probes])
-                _div.wait_watched(self.work, seconds, self.group, _div.position(self.group),
+                _stall.wait_watched(self.work, seconds, self.group, _div.position(self.group),
                                   self.label or self.kind)
             else:  # stream-ordered (see [Note: every collective has a timeout])
                 self.work.wait()
@@ -152,7 +158,7 @@ class _TimedWork:
             raise
         except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the step
             message = self._message(seconds, exc)
-            _div.publish_failure(message)
+            _stall.publish_failure(message)
             raise CollectiveError(message) from exc
         return True
 

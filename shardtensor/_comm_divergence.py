@@ -1,14 +1,15 @@
 """Ranks that run different collectives: named on every rank, before data moves, instead of mixed data or a hang.
 
-A comm module (with ``_comm``): the ``torch.distributed`` calls that check identity and watch for stalls.
+A comm module (with ``_comm``): the ``torch.distributed`` calls that check identity (stalls: ``_comm_stall``).
 
 [Note: the identity check]
 Per-op gathers make every rank's collective sequence a function of what its data made it compute.  Where the data
 decides which parameters a rank touches (MoE routing, skipped blocks), two ranks can meet in one collective with
 different tensors: same sizes mix silently, different sizes abort in gloo's C++ (``op.preamble.length <=
-op.nbytes``).  So before each data collective the ranks all-gather a five-number record (the group's sequence
-number, the collective's kind, a CRC of its label -- which names the parameter --, the element count and the
-dtype) on a gloo control group of the data group's own (``control_group``), where it does not queue behind the
+op.nbytes``).  So before each data collective the ranks all-gather a six-number record (the group's sequence
+number, the collective's kind, a CRC of its label -- which names the parameter --, the element count, the
+dtype, and the optimizer steps this rank ran over the group's parameters, see [Note: optimizer steps in the
+record]) on a gloo control group of the data group's own (``control_group``), where it does not queue behind the
 gathers already prefetched on the data group.  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
 ``DivergenceError`` (after one more exchange of the full labels, so the message names both parameters), and the
 data collective is never issued.  ``set_divergence_check(False)`` or ``SHARDTENSOR_DIVERGENCE_CHECK=0`` turns
@@ -16,24 +17,11 @@ it off.  CUDA (NCCL) groups skip it by default: the records travel on the CPU (t
 no stream is waited on), but each check still holds every rank's host thread until all arrive, which a GPU
 job that runs its host far ahead of the kernels would feel; no GPU figure exists yet to weigh that
 (``SHARDTENSOR_DIVERGENCE_CHECK=1`` turns it on there).
-
-[Note: stall probes]
-A rank that stops issuing collectives leaves the others waiting.  CPU waits are split: after
-``probe_interval()`` seconds (``SHARDTENSOR_DIVERGENCE_PROBE_S``, default 3) the waiting rank publishes its
-position (group, sequence number, label) under a per-rank key of the default store (TCPStore: no collective
-needed) and reads the others'.  It raises ``DivergenceError`` only on proof: every other rank of the group is
-itself blocked, over a probe interval, where it cannot progress while this one waits (another sequence number
-or label of this group, or a collective of another group that this rank has not issued), or another rank
-already failed while this one waited.  A rank that is merely busy
-elsewhere (rank 0 writing a checkpoint alone) is not proof: this rank then logs a warning naming both positions
-and keeps waiting up to ``collective_timeout()``.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
-import logging
 import os
 import time
 import zlib
@@ -44,9 +32,8 @@ import torch.distributed as dist
 
 from ._comm_work import CollectiveError
 
-log = logging.getLogger("shardtensor")
 
-_FIELDS = 5  # seq, kind, label crc, numel, dtype
+_FIELDS = 6  # seq, kind, label crc, numel, dtype, optimizer steps (see [Note: optimizer steps in the record])
 _LABEL_BYTES = 512
 _FIX = (
     "Every rank must run the same ops on sharded parameters, in the same order. A submodule whose use depends on "
@@ -70,7 +57,6 @@ def _env_flag(name: str) -> Optional[bool]:
 
 
 _enabled: Optional[bool] = _env_flag("SHARDTENSOR_DIVERGENCE_CHECK")  # None: on for CPU groups, off for CUDA
-_probe_s: float = float(os.environ.get("SHARDTENSOR_DIVERGENCE_PROBE_S", "3"))
 
 
 def set_divergence_check(enabled: bool) -> bool:
@@ -94,25 +80,14 @@ def positive_seconds(setter: str, seconds: float) -> float:
     return seconds
 
 
-def set_probe_interval(seconds: float) -> float:
-    """Seconds a CPU collective waits before the ranks compare positions (see [Note: stall probes])."""
-    global _probe_s
-    previous, _probe_s = _probe_s, positive_seconds("set_probe_interval", seconds)
-    return previous
-
-
-def probe_interval() -> float:
-    return _probe_s
-
-
 # ------------------------------------------------------------------------------------------- per-group positions
 class _Position:
     """This rank's count of checked collectives on one group, and the last one's label (for the probes)."""
 
-    __slots__ = ("tag", "seq", "label", "group")
+    __slots__ = ("tag", "seq", "label", "group", "steps")
 
     def __init__(self, tag: str, group):
-        self.tag, self.seq, self.label = tag, 0, ""
+        self.tag, self.seq, self.label, self.steps = tag, 0, "", 0  # steps: see count_optimizer_step
         self.group = group  # held, so that no later group object can reuse its id() while this count stands
 
 
@@ -124,7 +99,6 @@ _stats = [0, 0.0]  # identity checks passed, seconds spent in them (see identity
 def identity_check_stats() -> dict:
     """How many identity checks this process passed and the seconds they took (what the check costs a step)."""
     return {"checks": _stats[0], "seconds": _stats[1]}
-_last_progress = time.time()  # when a wait of this rank last completed
 
 
 def _group_tag(group) -> str:
@@ -192,6 +166,13 @@ def build_control_group(group, timeout_s: float) -> None:
     _controls[id(group) if group is not None else 0] = (group, control)
 
 
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (e.g. a custom launcher): records stay on the data group, waits are plain timed waits
+        return None
+
+
 # ---------------------------------------------------------------------------------------------- identity check
 def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gather) -> int:
     """Advance this rank's position on ``group``; when the check is on, exchange the identity record and raise
@@ -204,16 +185,41 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gathe
     started = time.perf_counter()
     world = dist.get_world_size(group)
     dtype_code = _crc(str(tensor.dtype))
-    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code], dtype=torch.int64)
+    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code, pos.steps], dtype=torch.int64)
     everyone = torch.empty(world * _FIELDS, dtype=torch.int64)
     all_gather(everyone, mine, group, f"identity check before {pos.label}", pos.seq)
     if torch.equal(everyone.view(world, _FIELDS), mine.expand(world, _FIELDS)):
         _stats[0] += 1
         _stats[1] += time.perf_counter() - started
         return pos.seq
+    records = everyone.view(world, _FIELDS).tolist()
+    if all(r[:-1] == records[0][:-1] for r in records):
+        _raise_step_divergence(records, group, pos)
     # Every rank holds the same records, so every rank is here: one more exchange for the full names.
     text = _describe(kind, label, tensor.numel(), tensor.dtype)
-    _raise_divergence(everyone.view(world, _FIELDS).tolist(), text, group, pos, all_gather)
+    _raise_divergence(records, text, group, pos, all_gather)
+
+
+# [Note: optimizer steps in the record]
+# ``opt.step()`` needs no collective, so a rank that steps once more than the others (a step skipped on a local
+# NaN loss, a rank-dependent condition) updates only its own rows and nothing fails: the gathered weights then
+# mix rows of two steps, silently, for the rest of the run.  Each rank counts the optimizer steps it ran over
+# sharded parameters of a group (a global step post-hook, ``_misuse``) and the count rides in the identity
+# record, so the next gather after such a step raises on every rank, before the mixed weights are used.
+def count_optimizer_step(group) -> None:
+    position(group).steps += 1
+
+
+def _raise_step_divergence(records: list, group, pos: _Position):
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    counts = ", ".join(f"rank {ranks[r]}: {records[r][-1]}" for r in range(len(records)))
+    raise DivergenceError(
+        f"shardtensor rank {dist.get_rank()}: before {pos.label!r} (collective #{pos.seq} on group {pos.tag}) the "
+        f"ranks have run different numbers of optimizer steps over the group's sharded parameters ({counts}): an "
+        "opt.step() ran on some ranks only, so each rank's rows are at another step and gathered weights would "
+        "mix them; no data was exchanged. Fix: step on every rank alike; a step skipped on a rank-local condition "
+        "(a NaN loss on one rank) must be skipped everywhere: all-reduce the condition first "
+        "(dist.all_reduce(flag, op=dist.ReduceOp.MAX)), or let torch.amp.GradScaler skip it (its skips agree).")
 
 
 def _raise_divergence(records: list, text: str, group, pos: _Position, all_gather):
@@ -235,160 +241,3 @@ def _raise_divergence(records: list, text: str, group, pos: _Position, all_gathe
         f"{ranks[me]} is about to run {texts[me]!r} but rank {ranks[first]} runs {texts[first]!r}; no data was "
         f"exchanged.\n" + "\n".join(lines) + f"\n{_FIX}"
     )
-
-
-# -------------------------------------------------------------------------------------------------- stall probes
-def _store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store (e.g. a custom launcher): waits are plain timed waits
-        return None
-
-
-def _key(global_rank: int) -> str:
-    return f"shardtensor/position/{global_rank}"
-
-
-def _publish(store, record: dict) -> None:
-    try:
-        store.set(_key(dist.get_rank()), json.dumps(record))
-    except Exception:  # noqa: BLE001 - probes are advisory; the timed wait still bounds the hang
-        pass
-
-
-def _read(store, global_rank: int) -> Optional[dict]:
-    try:
-        if not store.check([_key(global_rank)]):
-            return None
-        return json.loads(store.get(_key(global_rank)))
-    except Exception:  # noqa: BLE001
-        return None
-
-
-_reset_record = [False]  # this rank published "failed" or "waiting": its next completed wait says "running"
-
-
-def publish_failure(message: str) -> None:
-    """Tell the other ranks that this one gave up (they stop waiting for it; see [Note: stall probes])."""
-    store = _store() if dist.is_initialized() else None
-    if store is not None:
-        _publish(store, {"state": "failed", "time": time.time(), "message": message[:2000]})
-        _reset_record[0] = True
-
-
-def _progressed(store) -> None:
-    """A wait of this rank completed: a failure it published earlier is over (the ranks went on after it), so a
-    rank probing later must not take it for the current one."""
-    global _last_progress
-    _last_progress = time.time()
-    if _reset_record[0]:
-        _reset_record[0] = False
-        store = store if store is not None else _store()
-        if store is not None:
-            _publish(store, {"state": "running", "time": _last_progress})
-
-
-def _timed_out(exc: BaseException) -> bool:
-    return "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-
-
-def wait_watched(work, seconds: float, group, pos: _Position, what: str) -> None:
-    """``work.wait`` limited to ``seconds``, comparing positions with the other ranks every probe interval.
-
-    Raises ``DivergenceError`` on proof of divergence, and lets the backend's timeout error through otherwise.
-    """
-    deadline = time.monotonic() + seconds
-    first = min(_probe_s, seconds)
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=first))
-        _progressed(None)
-        return
-    except Exception as exc:  # noqa: BLE001 - a timeout (probe), else a real failure: raised at once
-        if time.monotonic() >= deadline or not _timed_out(exc):
-            raise
-    store = _store()
-    mine = {"state": "waiting", "group": pos.tag, "seq": pos.seq, "label": what, "since": time.time(), "probe": 0,
-            "ranks": dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)}
-    seen: dict = {}
-    warned_at = 0.0
-    while True:
-        if store is not None:
-            mine["probe"] += 1
-            _publish(store, mine)
-            warned_at = _compare(store, group, mine, seen, warned_at)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            work.wait(timeout=datetime.timedelta(milliseconds=1))  # raises the backend's timeout unless done
-            break
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=min(_probe_s, left)))
-            break
-        except Exception as exc:  # noqa: BLE001
-            if time.monotonic() >= deadline or not _timed_out(exc):
-                raise
-    _reset_record[0] = True  # the record says "waiting": _progressed overwrites it
-    _progressed(store)
-
-
-def _where(record: Optional[dict]) -> str:
-    outside = ("computing, or blocked outside shardtensor, e.g. in dist.barrier() while this rank runs a forward, "
-               "an eval or full_state_dict that the other ranks skip: every rank must run those")
-    if record is None:
-        return f"has published no position: it has not waited long at any shardtensor collective ({outside})"
-    if record.get("state") == "waiting":
-        return f"waits at collective #{record['seq']} on group {record['group']}: {record['label']}"
-    return f"is not waiting at any shardtensor collective (state {record.get('state')!r}; {outside})"
-
-
-def _waits_on_me(rec: dict, mine: dict) -> bool:
-    """Whether a rank blocked at ``rec`` cannot progress while this rank stays blocked at ``mine``: it waits in
-    this group at another position, or in a group of this rank's at a collective this rank has not issued yet
-    (a rank waiting in a group this rank is not in may be waiting for a third, slow rank: no proof)."""
-    if rec["group"] == mine["group"]:
-        return (rec["seq"], rec["label"]) != (mine["seq"], mine["label"])
-    if dist.get_rank() not in rec.get("ranks", ()):
-        return False
-    # This rank's count there (the newest group under that name; 0 if it never used the group): a member that has
-    # not issued the collective the other waits at.
-    issued = [pos.seq for pos in list(_positions.values()) if pos.tag == rec["group"]]
-    return (issued[-1] if issued else 0) < rec["seq"]
-
-
-def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
-    """One probe: raise on proof of divergence (see [Note: stall probes]); warn otherwise.  Returns when it last
-    warned."""
-    me = dist.get_rank()
-    others = [r for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD) if r != me]
-    records = {r: _read(store, r) for r in others}
-    for r, rec in records.items():
-        # A failure older than this rank's last completed wait is over: that rank went on to complete it.
-        if rec and rec.get("state") == "failed" and rec.get("time", 0) > _last_progress:
-            message = (f"shardtensor rank {me}: waiting at collective #{mine['seq']} on group {mine['group']} "
-                       f"({mine['label']}), but rank {r} already failed:\n  {rec.get('message', '')}\n{_FIX}")
-            publish_failure(message)  # a third rank waiting on this one learns it too
-            raise DivergenceError(message)
-    blocked_elsewhere = []
-    for r, rec in records.items():
-        previous, seen[r] = seen.get(r), rec
-        if not (rec and previous and rec.get("state") == "waiting" and previous.get("state") == "waiting"):
-            continue
-        same_wait = rec["since"] == previous["since"] and rec["probe"] > previous["probe"]
-        if same_wait and _waits_on_me(rec, mine):
-            blocked_elsewhere.append(r)
-    if others and len(blocked_elsewhere) == len(others):
-        lines = [f"  rank {me} waits at collective #{mine['seq']} on group {mine['group']}: {mine['label']}"]
-        lines += [f"  rank {r} {_where(records[r])}" for r in others]
-        message = (f"shardtensor rank {me}: ranks diverged: each is blocked in a different collective and none "
-                   f"can complete.\n" + "\n".join(lines) + f"\n{_FIX}")
-        publish_failure(message)
-        raise DivergenceError(message)
-    now = time.monotonic()
-    # Quiet for the first half minute: a rank that is merely slower (first-step compilation, a loaded host) is
-    # normal, and a warning at every short wait reads like an error.
-    if (now - warned_at >= 60.0) if warned_at else (time.time() - mine["since"] >= 30.0):
-        lines = "; ".join(f"rank {r} {_where(records[r])}" for r in others)
-        log.warning("shardtensor rank %d: waiting at collective #%d on group %s (%s); %s. A rank that never "
-                    "issues this collective is a divergence (see DivergenceError); a busy rank is fine.",
-                    me, mine["seq"], mine["group"], mine["label"], lines)
-        return now
-    return warned_at

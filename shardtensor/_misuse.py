@@ -272,9 +272,32 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 )
 
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (count, groups of its shards)
+
+
+def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Global optimizer step post-hook: count the step for every group whose sharded parameters it updated (see
+    [Note: optimizer steps in the record]): a step taken on some ranks only is named at the next gather."""
+    from .tensor import ShardedParam
+
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    cached = _GROUPS.get(optimizer)
+    if cached is None or cached[0] != count:
+        groups: dict = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if isinstance(p, ShardedParam):
+                    groups.setdefault(id(p._layout.group), (p._layout.group, []))[1].append(p)
+        cached = _GROUPS[optimizer] = (count, list(groups.values()))
+    for group, params in cached[1]:
+        if any(p.grad is not None for p in params):  # a step with no gradient updates nothing
+            _comm.count_optimizer_step(group)
+
+
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 
 register_optimizer_step_pre_hook(_step_pre_hook)
+register_optimizer_step_post_hook(_step_post_hook)
 
 
 # ------------------------------------------------------------------------------------------- every rank alike

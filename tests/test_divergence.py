@@ -150,17 +150,17 @@ def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False)
     import torch.distributed as dist
 
     import shardtensor
-    from shardtensor import _comm, _comm_divergence
+    from shardtensor import _comm, _comm_divergence, _comm_stall
 
     groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
     torch.manual_seed(0)
     models = [shardtensor.shard_module(_Blocks(1), gather=mode, group=g) for g in groups]
     if earlier_failure:
         if dist.get_rank() == 1:
-            _comm_divergence.publish_failure("an earlier failure, already over")
+            _comm_stall.publish_failure("an earlier failure, already over")
         _comm.barrier(label="the ranks go on together")
         if dist.get_rank() == 1:  # rank 0's first probe reads rank 1's record before rank 1 publishes a new one
-            time.sleep(_comm_divergence.probe_interval() / 2)
+            time.sleep(_comm_stall.probe_interval() / 2)
     x = torch.randn(4, 8, dtype=torch.float64)
     order = models if dist.get_rank() == 0 else models[::-1]
     out = _outcome(lambda: [m(x).backward() for m in order])
@@ -168,7 +168,8 @@ def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False)
     # group, so the pool's ranks stay usable.
     dist.barrier()
     other = _comm_divergence.control_group(groups[1 - dist.get_rank()])
-    other._allgather_base(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)).wait()
+    fields = _comm_divergence._FIELDS
+    other._allgather_base(torch.empty(2 * fields, dtype=torch.int64), torch.zeros(fields, dtype=torch.int64)).wait()
     for g in groups:
         dist.destroy_process_group(g)
     return out
@@ -186,12 +187,14 @@ def shard_module_on_different_groups() -> dict:
     import torch.distributed as dist
 
     import shardtensor
+    from shardtensor._comm_divergence import _FIELDS
 
     groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
     out = _outcome(lambda: shardtensor.shard_module(_Blocks(1), group=groups[dist.get_rank()]))
     dist.barrier()  # complete the exchange each rank left pending on the other's group
     other = groups[1 - dist.get_rank()]
-    dist.all_gather_into_tensor(torch.empty(10, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), group=other)
+    dist.all_gather_into_tensor(torch.empty(2 * _FIELDS, dtype=torch.int64), torch.zeros(_FIELDS, dtype=torch.int64),
+                                group=other)
     for g in groups:
         dist.destroy_process_group(g)
     return out
@@ -224,3 +227,49 @@ def check_switch() -> dict:
 def test_the_check_can_be_switched_off_and_back():
     for out in run_on_ranks(2, check_switch):
         assert out == {"off": False, "restored": True}
+
+
+# ------------------------------------------------------------------------ an optimizer step on some ranks only
+def extra_step_on_one_rank(mode: str, extra: bool) -> dict:
+    """Two optimizers (a GAN-like schedule: the second steps every other step, on every rank alike), then, if
+    ``extra``, a step that rank 0 skips (as on a loss only it saw as NaN) and the others take."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    group = dist.new_group([0, 1])  # its own step counts: a mismatch left here stays out of later cases
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_Blocks(), gather=mode, group=group)
+    first = torch.optim.SGD(model.blocks[:2].parameters(), lr=0.1)
+    second = torch.optim.Adam(model.blocks[2].parameters(), lr=0.1)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for step in range(3):
+        model(x).backward()
+        first.step()
+        if step % 2 == 0:
+            second.step()
+        first.zero_grad()
+        second.zero_grad()
+    model(x).backward()
+    if not (extra and dist.get_rank() == 0):  # rank 0 skips this step, as on a loss only it saw as NaN
+        first.step()
+    first.zero_grad()
+    if dist.get_rank() == 0:
+        first.step()  # no gradients: changes nothing, so counts nothing
+    before = [p.to_local().clone() for p in model.parameters()]
+    out = _outcome(lambda: model(x).backward())
+    out["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_optimizer_step_on_some_ranks_only_is_named_at_the_next_gather(mode):
+    outcomes = run_on_ranks(2, extra_step_on_one_rank, mode, False, timeout=60)
+    assert [out["error"] for out in outcomes] == [None, None], outcomes  # optimizers at different rates: fine
+    outcomes = run_on_ranks(2, extra_step_on_one_rank, mode, True, timeout=60)
+    for rank, out in enumerate(outcomes):
+        assert out["error"] == "DivergenceError", (rank, out)
+        assert "different numbers of optimizer steps" in out["message"], out["message"]
+        assert "rank 0: 5, rank 1: 6" in out["message"], out["message"]  # both optimizers' steps on the group
+        assert "all-reduce the condition" in out["message"], out["message"]  # the fix
+        assert out["unchanged"], out

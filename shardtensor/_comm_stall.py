@@ -1,0 +1,193 @@
+"""Ranks blocked in collectives that cannot complete: named on every rank, instead of a hang.
+
+A comm module (with ``_comm`` and ``_comm_divergence``): the store reads and writes that watch a wait.
+
+[Note: stall probes]
+A rank that stops issuing collectives leaves the others waiting.  CPU waits are split: after
+``probe_interval()`` seconds (``SHARDTENSOR_DIVERGENCE_PROBE_S``, default 3) the waiting rank publishes its
+position (group, sequence number, label) under a per-rank key of the default store (TCPStore: no collective
+needed) and reads the others'.  It raises ``DivergenceError`` only on proof: every other rank of the group is
+itself blocked, over a probe interval, where it cannot progress while this one waits (another sequence number
+or label of this group, or a collective of another group that this rank has not issued), or another rank
+already failed while this one waited.  A rank that is merely busy
+elsewhere (rank 0 writing a checkpoint alone) is not proof: this rank then logs a warning naming both positions
+and keeps waiting up to ``collective_timeout()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from ._comm_divergence import _FIX, DivergenceError, _Position, _positions, _store, positive_seconds
+
+log = logging.getLogger("shardtensor")
+
+_probe_s: float = float(os.environ.get("SHARDTENSOR_DIVERGENCE_PROBE_S", "3"))
+_last_progress = time.time()  # when a wait of this rank last completed
+
+
+def set_probe_interval(seconds: float) -> float:
+    """Seconds a CPU collective waits before the ranks compare positions (see [Note: stall probes])."""
+    global _probe_s
+    previous, _probe_s = _probe_s, positive_seconds("set_probe_interval", seconds)
+    return previous
+
+
+def probe_interval() -> float:
+    return _probe_s
+
+
+def _key(global_rank: int) -> str:
+    return f"shardtensor/position/{global_rank}"
+
+
+def _publish(store, record: dict) -> None:
+    try:
+        store.set(_key(dist.get_rank()), json.dumps(record))
+    except Exception:  # noqa: BLE001 - probes are advisory; the timed wait still bounds the hang
+        pass
+
+
+def _read(store, global_rank: int) -> Optional[dict]:
+    try:
+        if not store.check([_key(global_rank)]):
+            return None
+        return json.loads(store.get(_key(global_rank)))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_reset_record = [False]  # this rank published "failed" or "waiting": its next completed wait says "running"
+
+
+def publish_failure(message: str) -> None:
+    """Tell the other ranks that this one gave up (they stop waiting for it; see [Note: stall probes])."""
+    store = _store() if dist.is_initialized() else None
+    if store is not None:
+        _publish(store, {"state": "failed", "time": time.time(), "message": message[:2000]})
+        _reset_record[0] = True
+
+
+def _progressed(store) -> None:
+    """A wait of this rank completed: a failure it published earlier is over (the ranks went on after it), so a
+    rank probing later must not take it for the current one."""
+    global _last_progress
+    _last_progress = time.time()
+    if _reset_record[0]:
+        _reset_record[0] = False
+        store = store if store is not None else _store()
+        if store is not None:
+            _publish(store, {"state": "running", "time": _last_progress})
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+
+
+def wait_watched(work, seconds: float, group, pos: _Position, what: str) -> None:
+    """``work.wait`` limited to ``seconds``, comparing positions with the other ranks every probe interval.
+
+    Raises ``DivergenceError`` on proof of divergence, and lets the backend's timeout error through otherwise.
+    """
+    deadline = time.monotonic() + seconds
+    first = min(_probe_s, seconds)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=first))
+        _progressed(None)
+        return
+    except Exception as exc:  # noqa: BLE001 - a timeout (probe), else a real failure: raised at once
+        if time.monotonic() >= deadline or not _timed_out(exc):
+            raise
+    store = _store()
+    mine = {"state": "waiting", "group": pos.tag, "seq": pos.seq, "label": what, "since": time.time(), "probe": 0,
+            "ranks": dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)}
+    seen: dict = {}
+    warned_at = 0.0
+    while True:
+        if store is not None:
+            mine["probe"] += 1
+            _publish(store, mine)
+            warned_at = _compare(store, group, mine, seen, warned_at)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            work.wait(timeout=datetime.timedelta(milliseconds=1))  # raises the backend's timeout unless done
+            break
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=min(_probe_s, left)))
+            break
+        except Exception as exc:  # noqa: BLE001
+            if time.monotonic() >= deadline or not _timed_out(exc):
+                raise
+    _reset_record[0] = True  # the record says "waiting": _progressed overwrites it
+    _progressed(store)
+
+
+def _where(record: Optional[dict]) -> str:
+    outside = ("computing, or blocked outside shardtensor, e.g. in dist.barrier() while this rank runs a forward, "
+               "an eval or full_state_dict that the other ranks skip: every rank must run those")
+    if record is None:
+        return f"has published no position: it has not waited long at any shardtensor collective ({outside})"
+    if record.get("state") == "waiting":
+        return f"waits at collective #{record['seq']} on group {record['group']}: {record['label']}"
+    return f"is not waiting at any shardtensor collective (state {record.get('state')!r}; {outside})"
+
+
+def _waits_on_me(rec: dict, mine: dict) -> bool:
+    """Whether a rank blocked at ``rec`` cannot progress while this rank stays blocked at ``mine``: it waits in
+    this group at another position, or in a group of this rank's at a collective this rank has not issued yet
+    (a rank waiting in a group this rank is not in may be waiting for a third, slow rank: no proof)."""
+    if rec["group"] == mine["group"]:
+        return (rec["seq"], rec["label"]) != (mine["seq"], mine["label"])
+    if dist.get_rank() not in rec.get("ranks", ()):
+        return False
+    # This rank's count there (the newest group under that name; 0 if it never used the group): a member that has
+    # not issued the collective the other waits at.
+    issued = [pos.seq for pos in list(_positions.values()) if pos.tag == rec["group"]]
+    return (issued[-1] if issued else 0) < rec["seq"]
+
+
+def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
+    """One probe: raise on proof of divergence (see [Note: stall probes]); warn otherwise.  Returns when it last
+    warned."""
+    me = dist.get_rank()
+    others = [r for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD) if r != me]
+    records = {r: _read(store, r) for r in others}
+    for r, rec in records.items():
+        # A failure older than this rank's last completed wait is over: that rank went on to complete it.
+        if rec and rec.get("state") == "failed" and rec.get("time", 0) > _last_progress:
+            message = (f"shardtensor rank {me}: waiting at collective #{mine['seq']} on group {mine['group']} "
+                       f"({mine['label']}), but rank {r} already failed:\n  {rec.get('message', '')}\n{_FIX}")
+            publish_failure(message)  # a third rank waiting on this one learns it too
+            raise DivergenceError(message)
+    blocked_elsewhere = []
+    for r, rec in records.items():
+        previous, seen[r] = seen.get(r), rec
+        if not (rec and previous and rec.get("state") == "waiting" and previous.get("state") == "waiting"):
+            continue
+        same_wait = rec["since"] == previous["since"] and rec["probe"] > previous["probe"]
+        if same_wait and _waits_on_me(rec, mine):
+            blocked_elsewhere.append(r)
+    if others and len(blocked_elsewhere) == len(others):
+        lines = [f"  rank {me} waits at collective #{mine['seq']} on group {mine['group']}: {mine['label']}"]
+        lines += [f"  rank {r} {_where(records[r])}" for r in others]
+        message = (f"shardtensor rank {me}: ranks diverged: each is blocked in a different collective and none "
+                   f"can complete.\n" + "\n".join(lines) + f"\n{_FIX}")
+        publish_failure(message)
+        raise DivergenceError(message)
+    now = time.monotonic()
+    # Quiet for the first half minute: a rank that is merely slower (first-step compilation, a loaded host) is
+    # normal, and a warning at every short wait reads like an error.
+    if (now - warned_at >= 60.0) if warned_at else (time.time() - mine["since"] >= 30.0):
+        lines = "; ".join(f"rank {r} {_where(records[r])}" for r in others)
+        log.warning("shardtensor rank %d: waiting at collective #%d on group %s (%s); %s. A rank that never "
+                    "issues this collective is a divergence (see DivergenceError); a busy rank is fine.",
+                    me, mine["seq"], mine["group"], mine["label"], lines)
+        return now
+    return warned_at

@@ -144,6 +144,11 @@ def _only_autograd_holds(grad: torch.Tensor) -> bool:
     return base is not None and base._use_count() <= _HOOK_USE_COUNT
 
 
+def _read_by_user_hooks(param: torch.Tensor) -> bool:
+    """Whether hooks besides our own reducing one read ``param``'s gradient during backward."""
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None)) or len(param._backward_hooks or ()) > 1
+
+
 class GradSync:
     """Per-module switch and reducer shared by the gradient hooks of one ``shard_module`` call."""
 
@@ -186,12 +191,14 @@ class GradSync:
     # ShardedParam over the output buffer, AccumulateGrad stores it without reading it, and the engine's
     # end-of-backward callback waits and divides by the world size in place.  It is only safe when nothing
     # reads the gradient before backward ends, so it stays synchronous when the parameter already has a
-    # gradient (AccumulateGrad adds at once), when post-accumulate hooks are registered (e.g. CPUAdam's
-    # speculative steps read it), or when the reducer cannot start one (4-bit, layer-wise, a dtype change).
+    # gradient (AccumulateGrad adds at once), when the user hooked it (a ``register_hook`` hook after ours reads
+    # the returned gradient: a clamp of a buffer still being filled is garbage; post-accumulate hooks such as
+    # CPUAdam's speculative steps read ``.grad``), or when the reducer cannot start one (4-bit, layer-wise, a
+    # dtype change).
     def _may_overlap(self, param: ShardedParam, grad: torch.Tensor, dtype: torch.dtype) -> bool:
         self.max_pending_bytes = self.pending_budget()
         return (self.max_pending_bytes > 0 and grad.dtype == dtype and param.grad is None
-                and not getattr(param, "_post_accumulate_grad_hooks", None))
+                and not _read_by_user_hooks(param))
 
     def _track(self, pending: PendingReduce) -> torch.Tensor:
         self._pending.append(pending)
@@ -248,7 +255,7 @@ class GradSync:
                 return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))
             grad = self._with_deferred(key, grad.detach()).clone()
             if (param is not None and param.grad is None and self.pending_budget() > 0
-                    and not getattr(param, "_post_accumulate_grad_hooks", None)):
+                    and not _read_by_user_hooks(param)):
                 # AccumulateGrad copies a gradient someone else still references, so keep the parameter and
                 # average its .grad (this backward's gradient: it had none) at the end.
                 self._replicated.append((param, group))

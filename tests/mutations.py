@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "user_hooks_read_pending_gradient": Mutation(
+        "shardtensor/reduce.py", "_read_by_user_hooks",
+        "or len(param._backward_hooks or ()) > 1", "or False",
+        ("tests/test_grad_landing.py::test_a_clamping_hook_alone_sees_the_reduced_gradient",)),
     "optimizer_steps_not_counted": Mutation(
         "shardtensor/_misuse.py", "_step_post_hook",
         "_comm.count_optimizer_step(group)", "pass",

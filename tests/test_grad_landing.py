@@ -93,6 +93,35 @@ def test_gradient_hooks_see_the_reduced_gradient(gather, micro_batches):
         assert r["off"] < 1e-6, r
 
 
+def _clamp_alone_case(gather: str, persist_numel: int) -> float:
+    """A clamping ``register_hook`` and no other hook (the README's example): off from the unsharded clamp."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    reference = Net()
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=gather, persist_numel=persist_numel)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.register_hook(lambda g: g.clamp(-CLAMP, CLAMP))
+        q.register_hook(lambda g: g.clamp(-CLAMP, CLAMP))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batch = torch.randn(world * 4, 8, generator=torch.Generator().manual_seed(3))
+    model(batch[rank * 4:(rank + 1) * 4]).square().mean().backward()
+    reference(batch).square().mean().backward()
+    off = 0.0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, shardtensor.ShardedParam) else p.grad
+        off = max(off, (grad - q.grad).abs().max().item())
+    return off
+
+
+@pytest.mark.parametrize("gather,persist_numel", [("overlapped", 0), ("overlapped", 40), ("sequential", 0)])
+def test_a_clamping_hook_alone_sees_the_reduced_gradient(gather, persist_numel):
+    """The overlapped reduce-scatter (and the deferred average of a replicated parameter) hands AccumulateGrad a
+    gradient still being filled; a user's hook after ours must not read it (it clamped uninitialised memory)."""
+    for off in run_on_ranks(2, _clamp_alone_case, gather, persist_numel):
+        assert off < 1e-6, off
+
+
 def _optimizer_in_backward_case(gather: str) -> float:
     """PyTorch's optimizer-in-backward idiom (one AdamW per parameter, stepped by its post-accumulate-grad hook)
     against the usual loop, on the same sharded model: the hooks must step on the reduced gradients."""

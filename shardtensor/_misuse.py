@@ -1,27 +1,21 @@
 """Guards against the common mistakes of porting a training script: each one would otherwise train on without a
-word and give wrong numbers.  ``shard_module`` and the root forward pre-hook call these; the optimizer step
-pre-hook is global (registered once, when shardtensor is imported) and costs one set lookup per step while no
-gradient is deferred.
+word and give wrong numbers.  ``shard_module`` and the root forward pre-hook call these (mistakes seen at
+``opt.step()``: ``_misuse_optim``).
 
-- an optimizer built before ``shard_module`` holds the replaced tensors: its ``step()`` would update tensors the
-  model no longer uses (refused at its first step, before anything is updated);
 - a parameter that overlaps another one's memory (a view): sharding each separately breaks the aliasing
   (refused at ``shard_module``, naming both);
 - a model built on the meta device and never materialised: the first forward would compute on uninitialised
   memory (refused at the first forward);
-- ``opt.step()`` while gradients are deferred by ``gradient_sync(model, False)``: it would apply zero gradients
-  and leak the deferred ones into the next step (refused at the step);
 - ``torch.save(model.state_dict())`` on rank 0, ``load_state_dict(torch.load(...))`` on every rank (DDP's habit):
   the file holds rank 0's shards only, and another rank would gather them alone (refused before anything is
   copied, naming the key);
-- an optimizer state dict loaded from another rank's file (or another world size's, or an unsharded run's): the
-  step would mix other rows into this rank's (refused at the first step after the load, naming the state);
 - a parameter used only in a deferred micro-batch: the synced backward never reaches its hook, so its deferred
   gradient is reduced at the end of that backward (``flush_deferred``);
 - ranks that shard different models, or the same model with other settings (``gather=``, ``prefetch_bytes``,
   ...): their collectives would disagree (refused at ``shard_module``, naming the difference);
 - a model converted, parametrized or given new trainable parameters after ``shard_module``: the new tensors have
-  no gradient reduction, so the ranks' copies drift apart (refused at the next forward, naming the parameter).
+  no gradient reduction, so the ranks' copies drift apart (refused at the next forward, naming the parameter); a
+  conversion that changes nothing gets its gradient hooks back.
 """
 
 from __future__ import annotations
@@ -33,7 +27,6 @@ from torch import nn
 
 from . import _comm, _grad_landing
 
-_FIX_OPTIMIZER = "Fix: build the optimizer after shard_module (opt = torch.optim.X(model.parameters(), ...))."
 
 
 # ------------------------------------------------------------------------------------------- at load_state_dict
@@ -107,70 +100,6 @@ def _refuse_overlapping_parameters(module: nn.Module) -> None:
                 f"parameter and compute the other from it in forward (e.g. self.{name0.rsplit('.', 1)[-1]}[...]), "
                 "or tie them as the same nn.Parameter object."
             )
-
-
-_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> parameters already checked
-
-
-def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
-    """The DDP habit of building the optimizer before ``shard_module`` leaves it holding the full tensors that
-    ``shard_module`` replaced (they carry ``_shardtensor_sharded_as``): ``step()`` would update them while the
-    model never changes.  Checked at an optimizer's first step (and again when parameter groups are added),
-    before anything is updated; later steps cost one sum over the groups.  (Finding such optimizers at
-    ``shard_module`` time needs a scan of every live object, ~0.1-1 s per call: too dear for every model.)"""
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _CHECKED.get(optimizer) == count:
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = getattr(p, "_shardtensor_sharded_as", None)
-            if name is not None:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}.step(): parameter {name!r} was replaced by shard_module after this "
-                    "optimizer was built, so the optimizer holds the old full tensor: step() would update it while "
-                    f"the model never changes. {_FIX_OPTIMIZER}"
-                )
-    _CHECKED[optimizer] = count
-
-
-_STATE_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> id of the state dict checked
-
-
-def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
-    """``opt.load_state_dict(torch.load(f))`` with a file another rank saved (rank 0's, on every rank), one saved
-    at another world size, or one of an unsharded run: the state's shards are other rows than this rank's
-    parameters (the step would mix them, or fail on one rank only with an unrelated message).  Checked at the
-    first step after ``load_state_dict`` (which replaces ``optimizer.state``): one id comparison per step else."""
-    if _STATE_SEEN.get(optimizer) == id(optimizer.state):
-        return
-    from ._layout import ShardLayout
-    from .tensor import ShardedParam
-
-    here = None
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not isinstance(p, ShardedParam) or p not in optimizer.state:
-                continue
-            here = (p._layout.rank, p._layout.world)
-            for key, value in optimizer.state[p].items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    continue
-                if isinstance(value, ShardedParam):
-                    saved = (getattr(value._layout, "rank", None), getattr(value._layout, "world", None))
-                    if saved == here and value._layout.shape == p._layout.shape:
-                        continue
-                    what = f"rank {saved[0]}'s rows of a {saved[1]}-rank run"
-                elif type(p._layout) is ShardLayout and here[1] > 1 and value.shape == p.shape:
-                    what = f"a full {type(value).__name__} of shape {tuple(value.shape)} (an unsharded run's)"
-                else:  # an optimizer's own per-rank layout (CPUAdam's host shards, Muon's owned tensors)
-                    continue
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of {p._name!r} is {what}, but "
-                    f"this is rank {here[0]} of {here[1]}: a state dict loaded from another rank's or another "
-                    "run's file. Nothing was updated. Fix: torch.save(opt.state_dict()) and load it back on each "
-                    "rank with its own file at the same world size, or shardtensor.save_checkpoint(dir, model, opt) "
-                    "/ load_checkpoint (any world size).")
-    _STATE_SEEN[optimizer] = id(optimizer.state)
 
 
 # ------------------------------------------------------------------------------------------- at the first forward
@@ -248,58 +177,6 @@ def _deferred_name(grad_sync, key: str) -> str:
     return f"a replicated parameter of shape {tuple(param.shape)}" if param is not None else "a replicated parameter"
 
 
-def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Global optimizer step pre-hook: refuse a step while gradients of this optimizer's parameters are deferred
-    (``opt.step()`` inside ``gradient_sync(model, False)``): the parameters' ``.grad`` are zero shards then, the
-    step would apply nothing useful, and the deferred gradients would leak into the next step.  Also refuses an
-    optimizer built before ``shard_module``."""
-    _refuse_optimizer_built_first(optimizer)
-    _refuse_state_of_another_rank(optimizer)
-    busy = [gs for gs in list(_DEFERRING) if gs._deferred]
-    if not busy:
-        return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for gs in busy:
-        owners = gs.__dict__.get("_deferred_owner", {})
-        for key in gs._deferred:
-            owner = owners.get(key)
-            if owner is None or id(owner[0]) in held:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}.step(): the gradient of {_deferred_name(gs, key)!r} is still deferred "
-                    "by shardtensor.gradient_sync(model, False) (its .grad holds zeros until a backward with sync on "
-                    "reduces it). Fix: run the last micro-batch's backward outside gradient_sync(model, False), "
-                    "then call opt.step()."
-                )
-
-
-_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (count, groups of its shards)
-
-
-def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Global optimizer step post-hook: count the step for every group whose sharded parameters it updated (see
-    [Note: optimizer steps in the record]): a step taken on some ranks only is named at the next gather."""
-    from .tensor import ShardedParam
-
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    cached = _GROUPS.get(optimizer)
-    if cached is None or cached[0] != count:
-        groups: dict = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if isinstance(p, ShardedParam):
-                    groups.setdefault(id(p._layout.group), (p._layout.group, []))[1].append(p)
-        cached = _GROUPS[optimizer] = (count, list(groups.values()))
-    for group, params in cached[1]:
-        if any(p.grad is not None for p in params):  # a step with no gradient updates nothing
-            _comm.count_optimizer_step(group)
-
-
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
-
-register_optimizer_step_pre_hook(_step_pre_hook)
-register_optimizer_step_post_hook(_step_post_hook)
-
-
 # ------------------------------------------------------------------------------------------- every rank alike
 def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> None:
     """Different models (or sharding settings) on different ranks would make the gathers disagree (a hang or
@@ -341,7 +218,7 @@ def _first_difference(mine: list, other: list, other_rank: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------- at every forward
-def check_not_moved(owners: list, gatherer) -> None:
+def check_not_moved(owners: list, gatherer, impls: dict) -> None:
     """``model.to(...)``/``.double()``/``.cuda()`` after sharding swaps each parameter's contents for a converted
     copy that has neither the gradient hook nor a place in the gather schedule (gradients would silently stop
     being averaged), ``load_state_dict(assign=True)`` replaces parameters outright, and a parametrization
@@ -352,6 +229,8 @@ def check_not_moved(owners: list, gatherer) -> None:
     for submodule, name, param in owners:
         current = submodule._parameters.get(name)
         if current is param and (not isinstance(param, ShardedParam) or param._gatherer is gatherer):
+            if impls.get(id(param), param._cdata) != param._cdata:
+                _rehook_after_swap(param, impls)
             continue
         fqn = param._name if isinstance(param, ShardedParam) else name
         if current is None:
@@ -369,6 +248,19 @@ def check_not_moved(owners: list, gatherer) -> None:
             "silently stop being averaged across ranks. Fix: move or convert the model before shard_module (or "
             "shard a fresh model and load shardtensor.full_state_dict into it); functional_call takes the sharded "
             "parameters themselves.")
+
+
+def _rehook_after_swap(param, impls: dict) -> None:
+    """``model.float()`` / ``.to("cpu")`` that changes nothing still swaps a tensor subclass's contents
+    (``nn.Module._apply`` uses ``torch.utils.swap_tensors`` for wrapper subclasses): the parameter keeps its
+    identity, shard, dtype and device, but its C++ tensor is new and has none of the gradient hooks, so its
+    gradient would land unreduced (a full, per-rank tensor).  Re-setting the hook dicts registers them again,
+    the user's hooks with ours."""
+    for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(param, attr, None)
+        if hooks is not None:
+            setattr(param, attr, hooks)
+    impls[id(param)] = param._cdata
 
 
 def check_no_new_parameters(module: nn.Module, known: set) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _comm, _misuse
+from . import _comm, _misuse, _misuse_optim  # noqa: F401  (_misuse_optim: its global step hooks)
 from ._layout import ShardLayout
 from ._full import gather_full
 from ._traced import record_param_dtype
@@ -203,10 +203,11 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
 
     check_materialized = _misuse.MaterializedCheck()
     known = {id(param) for _, _, param in owners}  # the parameters shard_module placed
+    impls = {id(param): param._cdata for _, _, param in owners}  # their C++ tensors, which hold the hooks
 
     def hook(module, args, kwargs):
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
-            _misuse.check_not_moved(owners, gatherer)
+            _misuse.check_not_moved(owners, gatherer, impls)
             _misuse.check_no_new_parameters(module, known)
             check_materialized(module)  # a meta-device model must go through materialize() first
             if grad_sync is not None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 import torch
 
 from . import _comm
-from ._layout import ShardLayout, apply_views
+from ._layout import ShardLayout
 from ._full import gather_full, gather_now  # noqa: F401  (gather_full: re-exported for callers of the Gatherer)
 from ._memory import AgreedPressure, shared_monitor
 

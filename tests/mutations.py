@@ -28,12 +28,16 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "swapped_parameter_not_rehooked": Mutation(
+        "shardtensor/_misuse.py", "check_not_moved",
+        "_rehook_after_swap(param, impls)", "pass",
+        ("tests/test_reliability.py::test_a_conversion_that_changes_nothing_keeps_training_right",)),
     "user_hooks_read_pending_gradient": Mutation(
         "shardtensor/reduce.py", "_read_by_user_hooks",
         "or len(param._backward_hooks or ()) > 1", "or False",
         ("tests/test_grad_landing.py::test_a_clamping_hook_alone_sees_the_reduced_gradient",)),
     "optimizer_steps_not_counted": Mutation(
-        "shardtensor/_misuse.py", "_step_post_hook",
+        "shardtensor/_misuse_optim.py", "_step_post_hook",
         "_comm.count_optimizer_step(group)", "pass",
         ("tests/test_divergence.py::test_an_optimizer_step_on_some_ranks_only_is_named_at_the_next_gather",)),
     "data_assignment_ignored": Mutation(

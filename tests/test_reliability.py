@@ -68,6 +68,37 @@ def test_module_converted_after_sharding_fails_at_the_next_forward(convert):
         model(torch.randn(2, 3))
 
 
+def trains_after_a_no_op_conversion(convert: str, gather: str) -> float:
+    """Two SGD steps after a conversion that changes nothing, with a user's clamping hook: off from unsharded."""
+    rank, world = _comm.rank(), _comm.world_size()
+    reference = _mlp()
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=gather)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.register_hook(lambda g: g.clamp(-0.05, 0.05))
+        q.register_hook(lambda g: g.clamp(-0.05, 0.05))
+    {"float": model.float, "to_cpu": lambda: model.to("cpu"), "to_float32": lambda: model.to(torch.float32),
+     "to_device": lambda: model.to(torch.device("cpu"))}[convert]()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    batch = torch.randn(4 * world, 3, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(batch[4 * rank:4 * rank + 4]).square().mean().backward()
+        reference(batch).square().mean().backward()
+        assert all(isinstance(p.grad, ShardedParam) for p in model.parameters())  # reduced, not a full local one
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("convert", ["float", "to_cpu", "to_float32", "to_device"])
+def test_a_conversion_that_changes_nothing_keeps_training_right(convert):
+    """``nn.Module._apply`` swaps a tensor subclass's contents even when nothing changes: the new C++ tensor had
+    no gradient hooks, so each rank's full local gradient landed unreduced (clip norms differed per rank)."""
+    for off in run_on_ranks(2, trains_after_a_no_op_conversion, convert, "overlapped"):
+        assert off < 1e-6, off
+
+
 def different_models(world_check: bool):
     width = 5 + _comm.rank()  # rank-dependent architecture
     try:

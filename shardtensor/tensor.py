@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from . import _comm, _compile
+from . import _compile, _dtensor_bridge
 from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
 from ._full import full_tensor_of
 from ._grad_landing import GuardedPostAccumulateHook, GuardedTensorHook
@@ -169,6 +169,15 @@ class ShardedParam(torch.Tensor):
         with torch.no_grad():
             self._layout.copy_own_rows(self._local, value.detach())
 
+    # A wrapper has no storage of its own: torch's share_memory_ on it crashed the process (SIGSEGV).  Sharing
+    # this rank's rows is what model.share_memory() means here (worker processes then see the updated shard).
+    def share_memory_(self) -> "ShardedParam":
+        self._local.share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return self._local.is_shared()
+
     # torch's own refusal ("not supported for tensor subclasses") names neither the way out nor the collective.
     def tolist(self):
         raise TypeError(self._host_copy_refusal("tolist"))
@@ -182,22 +191,9 @@ class ShardedParam(torch.Tensor):
                 "this rank's rows.")
 
     def to_dtensor(self):
-        """This rank's rows as a ``DTensor`` with ``Shard(0)`` on a 1-d mesh of the layout's group (no copy).
-
-        For ``torch.distributed.checkpoint`` and DTensor code.  DTensor's ``Shard(0)`` splits like
-        ``torch.chunk``: ceil(rows / world) rows per rank, the last ranks shorter or empty.  That is our split
-        without the zero padding, so the DTensor's local tensor is ``_local[:valid_rows]``, a view: writing into
-        it (``dcp.load``) writes into this shard.  Needs an initialised process group (even for one process).
-        """
-        from torch.distributed.tensor import DTensor, Shard
-
-        if self._views:
-            raise ValueError(f"to_dtensor: {self._name or 'tensor'!r} is a view of a shard; call it on the parameter")
-        layout = self._layout
-        mesh = _comm.device_mesh(layout.group, self._local.device.type)
-        stride = torch.empty(layout.shape, device="meta").stride()
-        return DTensor.from_local(self._local[: layout.valid_rows], mesh, [Shard(0)], run_check=False,
-                                  shape=layout.shape, stride=stride)
+        """This rank's rows as a ``DTensor`` with ``Shard(0)`` on a 1-d mesh of the layout's group (no copy: a
+        write into it, as ``dcp.load`` does, writes into this shard).  See ``_dtensor_bridge``."""
+        return _dtensor_bridge.to_dtensor(self)
 
     # torch.distributed.checkpoint's protocol for tensors that hold part of a global tensor (DTensor implements
     # it).  With it a ShardedParam goes into dcp.save / dcp.load as the DTensor ``to_dtensor()`` gives: the
@@ -215,31 +211,9 @@ class ShardedParam(torch.Tensor):
 
     @classmethod
     def from_dtensor(cls, dtensor, *, name: str = "", requires_grad: bool = False) -> "ShardedParam":
-        """A ShardedParam over the same rows as a 1-d ``DTensor`` placed ``Shard(0)`` (or ``Replicate()``).
-
-        The rows are copied into a padded shard (DTensor's last shards are short; ours are padded).  Other
-        placements (``Shard(1)``, 2-d meshes: tensor parallel) raise: redistribute to ``Shard(0)`` first.
-        """
-        from torch.distributed.tensor import Replicate, Shard
-
-        mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
-        if mesh.ndim != 1 or placements not in ((Shard(0),), (Replicate(),)):
-            raise NotImplementedError(
-                f"ShardedParam.from_dtensor({name or 'tensor'!r}): placements {placements} on a {mesh.ndim}-d mesh; "
-                "only a 1-d mesh with Shard(0) or Replicate() maps onto a ShardedParam. "
-                "Fix: dtensor.redistribute(mesh, [Shard(0)]) first (or dtensor.full_tensor())."
-            )
-        group = _comm.default_group_or(mesh.get_group())
-        local = dtensor.to_local().detach()
-        if placements == (Replicate(),):
-            return cls.from_full(local, group, name=name, requires_grad=requires_grad)
-        layout = ShardLayout.for_shape(dtensor.shape, group)
-        if local.shape[0] != layout.valid_rows:
-            raise AssertionError(f"from_dtensor: rank {layout.rank} holds {local.shape[0]} rows of {tuple(dtensor.shape)}; "
-                                 f"torch.chunk semantics give {layout.valid_rows}")
-        padded = torch.zeros(layout.local_shape(), dtype=local.dtype, device=local.device)
-        padded[: layout.valid_rows].copy_(local)
-        return cls(padded, layout, name=name, requires_grad=requires_grad)
+        """A ShardedParam over the same rows as a 1-d ``DTensor`` placed ``Shard(0)`` (or ``Replicate()``); the
+        rows are copied into a padded shard.  Other placements (tensor parallel) raise: see ``_dtensor_bridge``."""
+        return _dtensor_bridge.from_dtensor(cls, dtensor, name, requires_grad)
 
     @property
     def shard_layout(self) -> ShardLayout:

@@ -20,6 +20,7 @@ word and give wrong numbers.  ``shard_module`` and the root forward pre-hook cal
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 
 import torch
@@ -185,17 +186,18 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
         return
     fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
     plan = (_comm.world_size(group), _comm.group_ranks(group))
+    values = [_sample_digest(p) for _, p in module.named_parameters()]
     everyone = _comm.all_gather_object(
-        (plan, fingerprint, settings), group,
+        (plan, fingerprint, settings, values), group,
         label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
     me = _comm.rank(group)
-    for other_rank, (other_plan, other, other_settings) in enumerate(everyone):
+    for other_rank, (other_plan, *_) in enumerate(everyone):
         if other_plan != plan:
             raise ValueError(
                 f"shard_module on rank {me}: rank {other_rank} shards over a different process group "
                 f"(world size {other_plan[0]}, global ranks {other_plan[1]}) than this rank (world size {plan[0]}, "
                 f"global ranks {plan[1]}). Every rank must pass the same group to shard_module.")
-    for other_rank, (_, other, other_settings) in enumerate(everyone):
+    for other_rank, (_, other, other_settings, _) in enumerate(everyone):
         if other != fingerprint:
             raise ValueError(f"shard_module on rank {me}: rank {other_rank} has a different model "
                              f"({_first_difference(fingerprint, other, other_rank)}). Every rank must shard the "
@@ -206,6 +208,29 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
             raise ValueError(f"shard_module on rank {me}: the ranks shard with different settings ({what}); they "
                              "decide which collectives run, so every rank must call shard_module with the same "
                              "arguments.")
+    for other_rank, (*_, other_values) in enumerate(everyone):
+        differ = next((k for k, (a, b) in enumerate(zip(values, other_values)) if a and b and a != b), None)
+        if differ is not None:
+            raise ValueError(
+                f"shard_module on rank {me}: parameter {fingerprint[differ][0]!r} holds other values on rank "
+                f"{other_rank} than here (a model built after torch.manual_seed(rank), or weights loaded on some "
+                "ranks only). Each rank keeps its own rows, so the model would be a patchwork of the ranks' "
+                "models, and a parameter kept whole on every rank (0-d, persist_numel) would never agree; DDP "
+                "would have broadcast rank 0's. Fix: give every rank the same weights before shard_module (seed "
+                "alike before building the model, and per rank after it; or load the same checkpoint), or build "
+                "it on the meta device and call shardtensor.materialize(model) with the same seed on every rank.")
+
+
+def _sample_digest(p: torch.Tensor) -> str:
+    """A digest of up to 1024 evenly spaced elements (and the shape): enough to tell differently seeded or
+    loaded weights apart, at the cost of a gather of samples, not a read of the model.  Empty for meta tensors."""
+    if p.is_meta or p.numel() == 0:
+        return ""
+    flat = p.detach().reshape(-1)
+    index = torch.linspace(0, flat.numel() - 1, min(flat.numel(), 1024), device=flat.device).long()
+    sample = flat[index].cpu()
+    sample = torch.view_as_real(sample) if sample.is_complex() else sample
+    return hashlib.blake2b(sample.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _first_difference(mine: list, other: list, other_rank: int) -> str:

@@ -23,6 +23,7 @@ order than this (or tied weights, which keep the last module's init) needs an ``
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from typing import Callable, Optional, Union
 
@@ -70,6 +71,7 @@ def materialize(
             if buffer is not None and buffer.is_meta:
                 submodule._buffers[name] = torch.zeros_like(buffer, device=device)
 
+    before = _generator_digest(device)
     if init_fn is not None:
         init_fn(module)
         _warn_buffers_left_zero(module, computed_buffers)
@@ -78,7 +80,29 @@ def materialize(
             reset = _reset_method(submodule)
             if reset is not None:
                 reset()
+    _refuse_per_rank_draws(before, _generator_digest(device) != before, state.group)
     return module
+
+
+def _generator_digest(device: torch.device) -> str:
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return hashlib.blake2b(state.numpy().tobytes(), digest_size=8).hexdigest()  # (hash() differs per process)
+
+
+def _refuse_per_rank_draws(before: str, drew: bool, group) -> None:
+    """Each rank keeps its rows of the tensor its own generator drew (see [Note: same values as unsharded init]):
+    generators seeded per rank (``torch.manual_seed(rank)``) give a patchwork of the ranks' inits, and parameters
+    kept whole on every rank never agree.  One exchange after the init, on every rank."""
+    if _comm.world_size(group) == 1:
+        return
+    everyone = _comm.all_gather_object((before, drew), group, label="materialize's check of the random generators")
+    if any(d for _, d in everyone) and len({b for b, _ in everyone}) > 1:
+        raise ValueError(
+            f"materialize on rank {_comm.rank(group)}: the ranks' random generators were in different states when "
+            "the init drew (torch.manual_seed(rank) before materialize?), so each rank kept its rows of another "
+            "draw: the model is a patchwork of the ranks' inits, and parameters kept whole on every rank differ. "
+            "Fix: torch.manual_seed(seed) with the same seed on every rank before materialize (seed per rank "
+            "after it, for data and dropout), then build, shard and materialize again.")
 
 
 def _reset_method(module: nn.Module) -> Optional[Callable[[], None]]:

@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "per_rank_weights_not_compared": Mutation(
+        "shardtensor/_misuse.py", "check_same_model_on_every_rank",
+        "if a and b and a != b", "if False",
+        ("tests/test_reliability.py::test_different_weights_on_different_ranks_fail_at_shard_module",)),
+    "per_rank_draws_not_refused": Mutation(
+        "shardtensor/materialize.py", "_refuse_per_rank_draws",
+        "if any(d for _, d in everyone) and len({b for b, _ in everyone}) > 1:", "if False:",
+        ("tests/test_misuse.py::test_materialize_with_generators_seeded_per_rank_is_refused_on_every_rank",)),
     "swapped_parameter_not_rehooked": Mutation(
         "shardtensor/_misuse.py", "check_not_moved",
         "_rehook_after_swap(param, impls)", "pass",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
+
 import torch
 from torch import nn
 
@@ -429,3 +431,24 @@ def test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_s
     for r in results:
         assert "an unsharded run's" in r["unsharded"] and "Fix:" in r["unsharded"], r
         assert r["unsharded_unchanged"], r
+
+
+# ------------------------------------------------------------------------ generators seeded per rank at materialize
+def materialize_with_seed_case(per_rank_seed: bool, draws: bool) -> str:
+    rank = torch.distributed.get_rank()
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    shardtensor.shard_module(model)
+    torch.manual_seed(rank if per_rank_seed else 0)
+    weights = {k: torch.full(v.shape, 0.5) for k, v in model.state_dict().items()}  # an init that draws nothing
+    return _error_of(lambda: shardtensor.materialize(model, None if draws else lambda m: m.load_state_dict(weights),
+                                                     device="cpu"))
+
+
+@pytest.mark.parametrize("per_rank_seed,draws", [(True, True), (False, True), (True, False)])
+def test_materialize_with_generators_seeded_per_rank_is_refused_on_every_rank(per_rank_seed, draws):
+    for message in run_on_ranks(2, materialize_with_seed_case, per_rank_seed, draws):
+        if per_rank_seed and draws:
+            assert "random generators were in different states" in message and "Fix: torch.manual_seed" in message
+        else:
+            assert message == "no error", message

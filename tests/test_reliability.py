@@ -101,6 +101,27 @@ def test_a_conversion_that_changes_nothing_keeps_training_right(convert):
         assert off < 1e-6, off
 
 
+def different_values(how: str) -> str:
+    rank = _comm.rank()
+    model = _mlp(seed=rank if how == "seed" else 0)  # torch.manual_seed(rank) before building: DDP's broadcast hid it
+    if how == "one_element" and rank == 1:
+        with torch.no_grad():
+            model[2].bias[1] += 1e-3  # weights loaded on some ranks only, or edited on one
+    try:
+        shardtensor.shard_module(model)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["seed", "one_element"])
+def test_different_weights_on_different_ranks_fail_at_shard_module(how):
+    for rank, message in enumerate(run_on_ranks(2, different_values, how)):
+        first = "'0.weight'" if how == "seed" else "'2.bias'"
+        assert f"parameter {first} holds other values on rank {1 - rank}" in message, (rank, message)
+        assert "Fix: give every rank the same weights" in message, message
+
+
 def different_models(world_check: bool):
     width = 5 + _comm.rank()  # rank-dependent architecture
     try:

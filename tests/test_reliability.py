@@ -270,6 +270,11 @@ def debugging_report() -> dict:
             copy.deepcopy(model)
         except TypeError as exc:
             report["deepcopy_model"] = str(exc)
+        for name, save in (("pickle_model", pickle.dumps), ("torch_save_model", lambda m: torch.save(m, io.BytesIO()))):
+            try:
+                save(model)
+            except TypeError as exc:
+                report[name] = str(exc)
         # what a debugger's variables view does: read every attribute; errors are allowed, communication is not
         plain = torch.zeros(5, 3, requires_grad=True)
         communicated = []
@@ -298,6 +303,8 @@ def _check_debugging_report(report: dict, rank: int, world: int) -> None:
     assert f"rank={rank}/{world}" in report["texts"][0]
     assert "full_tensor" in report["numeric_format"]
     assert report["copy_shares"] and report["deepcopy_sharded"] and report["pickle_keeps_shard"]
+    for name in ("pickle_model", "torch_save_model"):
+        assert "shardtensor.save_checkpoint" in report.get(name, ""), report.get(name)
     assert "cannot pickle a view" in report["pickle_view"]
     assert "deepcopy of a module sharded" in report["deepcopy_model"]
     assert report["attributes_read"] > 100 and report["communicated"] == []

@@ -32,7 +32,20 @@ def make_optimizer(kind: str, impl: str, params, lr: float, dtype=torch.float64)
         return torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, eps=eps, **flags)
+    if kind in OTHER_OPTIMIZERS:
+        return OTHER_OPTIMIZERS[kind](params, lr=lr, **flags)
     return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=0.1, **flags)
+
+
+# The rest of torch.optim (LBFGS aside: its closure re-evaluates the loss), each through its own ops: Rprop writes
+# ``grad[sign.eq(etaminus)] = 0`` (an index_put_ by a mask of the gradient's own placement), ASGD and Adagrad
+# keep 0-d and full-shape states, RMSprop(centered) and Adam(amsgrad) extra buffers.
+OTHER_OPTIMIZERS = {
+    "rprop": torch.optim.Rprop, "adagrad": torch.optim.Adagrad, "adadelta": torch.optim.Adadelta,
+    "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "asgd": torch.optim.ASGD,
+    "rmsprop": lambda params, **kw: torch.optim.RMSprop(params, centered=True, momentum=0.5, **kw),
+    "amsgrad": lambda params, **kw: torch.optim.Adam(params, amsgrad=True, **kw),
+}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -243,6 +256,13 @@ def test_every_optimizer_form_on_two_ranks(opt, impl, gather):
     """The grid the property draws from, each cell once (world 2, odd widths, clipping on)."""
     _check({"seed": 7, "world": 2, "gather": gather, "opt": opt, "impl": impl, "lr": 1e-2, "clip": 0.5,
             "micro": 2, "model": "mlp", "widths": [5, 3, 1], "dtype": torch.float32})
+
+
+@pytest.mark.parametrize("opt", sorted(OTHER_OPTIMIZERS))
+@pytest.mark.parametrize("impl", ["forloop", "foreach"])
+def test_every_other_stock_optimizer_on_two_ranks(opt, impl):
+    _check({"seed": 7, "world": 2, "gather": "overlapped", "opt": opt, "impl": impl, "lr": 1e-2, "clip": 0.5,
+            "micro": 2, "model": "mlp", "widths": [5, 3, 1], "dtype": torch.float64})
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -203,6 +203,22 @@ def _whole_base_view(view: ShardedParam) -> bool:
     return shape == view._layout.shape and offset == 0 and stride == torch.empty(shape, device="meta").stride()
 
 
+@implements(aten.index_put_.default)
+def _index_put_by_mask(func, args, kwargs):
+    """``g[mask] = v`` with a boolean mask of ``g``'s own placement and one value (torch.optim.Rprop:
+    ``grad[sign.eq(etaminus)] = 0``) is element-wise: run it on the shards.  Anything else gathers or is refused
+    (``compute``)."""
+    target, indices, values = args[0], args[1], args[2]
+    mask = indices[0] if len(indices) == 1 else None
+    if (isinstance(target, ShardedParam) and isinstance(mask, ShardedParam) and mask.dtype == torch.bool
+            and type(values) is torch.Tensor and values.numel() == 1 and not (args[3:] or kwargs)
+            and _localizable([target, mask])):
+        func(target._local, [mask._local], values)
+        _mark_written((target,))
+        return target
+    return compute(func, args, kwargs)
+
+
 @implements(aten.copy_.default)
 def _copy(func, args, kwargs):
     """``load_state_dict`` copies a full tensor into each parameter: every rank keeps its own rows."""

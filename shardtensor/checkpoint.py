@@ -300,10 +300,12 @@ def _check_against_metadata(metadata, state: dict, strict: bool) -> None:
         if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape):
             shape = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else type(meta).__name__
             raise CheckpointError(f"load_checkpoint: {key!r} has shape {shape} in the checkpoint but "
-                                  f"{tuple(value.shape)} in the model")
+                                  f"{tuple(value.shape)} in the model; nothing was loaded. Fix: build the model with "
+                                  "the configuration the checkpoint was saved from (its sizes), then change it")
         if meta.properties.dtype != value.dtype:
             raise CheckpointError(f"load_checkpoint: {key!r} is {meta.properties.dtype} in the checkpoint but "
-                                  f"{value.dtype} in the model")
+                                  f"{value.dtype} in the model; nothing was loaded. Fix: build (or convert) the model "
+                                  f"in {meta.properties.dtype} before shard_module, load, then convert a fresh copy")
     if strict:
         extra = sorted(k for k, m in saved.items() if k.startswith(_MODEL + ".") and k not in flat
                        and isinstance(m, TensorStorageMetadata))

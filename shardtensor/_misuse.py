@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -305,3 +306,64 @@ def check_no_new_parameters(module: nn.Module, known: set) -> None:
                 "Fix: build the whole model (new heads, resized embeddings, adapters) before shard_module, or "
                 "shardtensor.unshard_module(model), change it, and shard it again; a parameter meant to stay "
                 "local can be frozen (requires_grad=False).")
+
+
+# ------------------------------------------------------------------------------------------- copies and wrappers
+DEEPCOPY_REFUSAL = (
+    "copy.deepcopy of a module sharded by shardtensor.shard_module is not supported: its gradient hooks and gather "
+    "schedule belong to the original, so the copy's gradients would silently stop being averaged across ranks. "
+    "Fix: deepcopy before shard_module and shard the copy, or build a fresh model, shard it, and load "
+    "shardtensor.full_state_dict(model) into it. (copy.deepcopy of a single ShardedParam is supported: it copies "
+    "the shard.)")
+
+
+class PickleRefusingHook:
+    """The root forward pre-hook ``shard_module`` registers.  Pickling the model (``torch.save(model)``,
+    ``pickle.dumps``) reaches it first; a closure failed there with "Can't pickle local object", which names
+    neither the cause nor the fix."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(DEEPCOPY_REFUSAL)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "pickling a module sharded by shardtensor.shard_module (torch.save(model), pickle.dumps(model)) is not "
+            "supported: its gradient hooks and gather schedule belong to this process and its ranks. Fix: save "
+            "the state instead: shardtensor.save_checkpoint(dir, model, opt), or state = "
+            "shardtensor.full_state_dict(model, rank0_only=True) on every rank and torch.save(state, f) on rank "
+            "0; to restore, build the model, shard it and load the state.")
+
+
+class RefuseDDP:
+    """Set as the sharded root's ``_ddp_params_and_buffers_to_ignore``, the attribute DistributedDataParallel reads
+    (and only it) when it wraps a module.  DDP over a sharded model averaged the ranks' *different* gradient rows
+    with each other and trained on wrong numbers without a word (transformers' Trainer and accelerate wrap a model
+    in DDP by themselves when launched with several processes); iterating this raises, naming the fix."""
+
+    def __iter__(self):
+        raise TypeError(_DDP_REFUSAL)
+
+
+_DDP_REFUSAL = (
+    "DistributedDataParallel over a model sharded by shardtensor.shard_module: shard_module already averages the "
+    "gradients across ranks, and DDP would average each rank's gradient rows with other ranks' rows (wrong "
+    "numbers). Fix: use the sharded model without DDP (transformers' Trainer and accelerate wrap a model in DDP "
+    "when launched with several processes: use a plain training loop), or shardtensor.unshard_module(model) "
+    "first to train it under DDP.")
+
+
+def refuse_inside_ddp() -> None:
+    """DDP over a module that *contains* the sharded one never reads the sharded root's attribute: its forward
+    does, through the root forward pre-hook (every rank, before any gather)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if DistributedDataParallel._get_active_ddp_module() is not None:
+        raise TypeError(_DDP_REFUSAL)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -33,40 +33,7 @@ class ShardingState:
     def __deepcopy__(self, memo):
         # Reached by copy.deepcopy(model): the gradient hooks live on the original parameters and the forward
         # hook on the original gatherer, so a copy would train with unaveraged gradients.  Refuse clearly.
-        raise TypeError(_DEEPCOPY_REFUSAL)
-
-
-_DEEPCOPY_REFUSAL = (
-    "copy.deepcopy of a module sharded by shardtensor.shard_module is not supported: its gradient hooks and gather "
-    "schedule belong to the original, so the copy's gradients would silently stop being averaged across ranks. "
-    "Fix: deepcopy before shard_module and shard the copy, or build a fresh model, shard it, and load "
-    "shardtensor.full_state_dict(model) into it. (copy.deepcopy of a single ShardedParam is supported: it copies "
-    "the shard.)")
-
-
-class _PickleRefusingHook:
-    """The root forward pre-hook ``shard_module`` registers.  Pickling the model (``torch.save(model)``,
-    ``pickle.dumps``) reaches it first; a closure failed there with "Can't pickle local object", which names
-    neither the cause nor the fix."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        raise TypeError(_DEEPCOPY_REFUSAL)
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "pickling a module sharded by shardtensor.shard_module (torch.save(model), pickle.dumps(model)) is not "
-            "supported: its gradient hooks and gather schedule belong to this process and its ranks. Fix: save "
-            "the state instead: shardtensor.save_checkpoint(dir, model, opt), or state = "
-            "shardtensor.full_state_dict(model, rank0_only=True) on every rank and torch.save(state, f) on rank "
-            "0; to restore, build the model, shard it and load the state.")
+        raise TypeError(_misuse.DEEPCOPY_REFUSAL)
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -185,10 +152,11 @@ def shard_module(
             owners.append((submodule, name, new))
 
     handles.append(module.register_forward_pre_hook(
-        _PickleRefusingHook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync)), with_kwargs=True))
+        _misuse.PickleRefusingHook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync)), with_kwargs=True))
     handles.append(module.register_load_state_dict_pre_hook(_misuse.refuse_other_ranks_shards))
     attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
+    module._ddp_params_and_buffers_to_ignore = _misuse.RefuseDDP()
     if offload is not None:
         if not hasattr(offload, "attach"):
             raise TypeError(
@@ -235,6 +203,7 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
     def hook(module, args, kwargs):
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
             _misuse.check_not_moved(owners, gatherer, impls)
+            _misuse.refuse_inside_ddp()
             _misuse.check_no_new_parameters(module, known)
             check_materialized(module)  # a meta-device model must go through materialize() first
             if grad_sync is not None:

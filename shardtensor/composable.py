@@ -73,4 +73,5 @@ def unshard_module(module: nn.Module) -> nn.Module:
                 replaced[id(param)] = plain
             submodule._parameters[name] = replaced[id(param)]
     del module._shardtensor
+    module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)  # DDP may wrap it now (see _misuse.RefuseDDP)
     return module

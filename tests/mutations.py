@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "ddp_wrapping_accepted": Mutation(
+        "shardtensor/_misuse.py", "__iter__",
+        "raise TypeError(_DDP_REFUSAL)", "return iter(())",
+        ("tests/test_reliability.py::test_ddp_over_a_sharded_model_is_refused_on_every_rank[direct]",)),
+    "ddp_parent_accepted": Mutation(
+        "shardtensor/_misuse.py", "refuse_inside_ddp",
+        "if DistributedDataParallel._get_active_ddp_module() is not None:", "if False:",
+        ("tests/test_reliability.py::test_ddp_over_a_sharded_model_is_refused_on_every_rank[parent]",)),
     "per_rank_weights_not_compared": Mutation(
         "shardtensor/_misuse.py", "check_same_model_on_every_rank",
         "if a and b and a != b", "if False",

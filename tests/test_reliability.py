@@ -122,6 +122,34 @@ def test_different_weights_on_different_ranks_fail_at_shard_module(how):
         assert "Fix: give every rank the same weights" in message, message
 
 
+def wrapped_in_ddp(how: str) -> str:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = shardtensor.shard_module(_mlp())
+    try:
+        if how == "direct":
+            DistributedDataParallel(model)
+        elif how == "parent":  # DDP over a module holding the sharded one: refused at its first forward
+            DistributedDataParallel(nn.Sequential(model, nn.Tanh()))(torch.randn(2, 3))
+        else:  # unshard_module gives back a plain model, which DDP may wrap and train
+            ddp = DistributedDataParallel(shardtensor.unshard_module(model))
+            ddp(torch.randn(2, 3)).sum().backward()
+    except TypeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["direct", "parent", "unsharded"])
+def test_ddp_over_a_sharded_model_is_refused_on_every_rank(how):
+    """DDP averaged each rank's gradient rows with other ranks' rows: wrong numbers, silently (transformers'
+    Trainer and accelerate wrap a model in DDP by themselves)."""
+    for message in run_on_ranks(2, wrapped_in_ddp, how):
+        if how == "unsharded":
+            assert message == "no error", message
+        else:
+            assert "DistributedDataParallel over a model sharded" in message and "Fix:" in message, message
+
+
 def different_models(world_check: bool):
     width = 5 + _comm.rank()  # rank-dependent architecture
     try:

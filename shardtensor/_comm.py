@@ -116,12 +116,17 @@ def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str,
     if control is not None:
         _TimedWork(control._allgather_base(out, inp), "identity all-gather", inp, group, what, seq).wait()
         return
-    device = _control_device(group)  # the group's first exchange: on the data group itself
-    fn = _all_gather_single or dist.all_gather_into_tensor
-    wire = out.to(device)
-    _TimedWork(fn(wire, inp.to(device), group=group, async_op=True), "identity all-gather", inp, group, what,
-               seq).wait()
-    out.copy_(wire)
+    exchange = _div.StoreExchange.open(group, inp, seq)  # the group's first exchange (see its docstring)
+    if exchange is not None:
+        _TimedWork(exchange, "identity all-gather", inp, group, what, seq).wait()
+        exchange.gathered_into(out)
+    else:  # no default store (a custom launcher), or torch's fake group: on the data group itself
+        device = _control_device(group)
+        fn = _all_gather_single or dist.all_gather_into_tensor
+        wire = out.to(device)
+        _TimedWork(fn(wire, inp.to(device), group=group, async_op=True), "identity all-gather", inp, group, what,
+                   seq).wait()
+        out.copy_(wire)
     try:
         _div.build_control_group(group, _timeout_s)
     except Exception as exc:  # noqa: BLE001 - a member that died just now: the same named error as a collective

@@ -10,7 +10,8 @@ op.nbytes``).  So before each data collective the ranks all-gather a six-number 
 number, the collective's kind, a CRC of its label -- which names the parameter --, the element count, the
 dtype, and the optimizer steps this rank ran over the group's parameters, see [Note: optimizer steps in the
 record]) on a gloo control group of the data group's own (``control_group``), where it does not queue behind the
-gathers already prefetched on the data group.  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
+gathers already prefetched on the data group (the group's first record goes through the default store:
+``StoreExchange``).  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
 ``DivergenceError`` (after one more exchange of the full labels, so the message names both parameters), and the
 data collective is never issued.  ``set_divergence_check(False)`` or ``SHARDTENSOR_DIVERGENCE_CHECK=0`` turns
 it off.  CUDA (NCCL) groups skip it by default: the records travel on the CPU (the control group is gloo, so
@@ -146,7 +147,7 @@ def build_control_group(group, timeout_s: float) -> None:
 
     Why a second group: records sent on the data group queue behind the prefetches already in flight there, so
     every check would wait for the gathers before it and overlap would be lost.  Why then: every member has
-    just completed the same exchange (the first one, on the data group, where a wait is watched by the stall
+    just completed the same exchange (the first one, through the store, where a wait is watched by the stall
     probes), so every member arrives here at once; a rank that diverged earlier never gets here.  Built straight
     from the default store under a name derived from the data group's, which every member shares, and not
     registered with c10d, whose names for new groups depend on how many groups each process has made.
@@ -171,6 +172,47 @@ def _store():
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store (e.g. a custom launcher): records stay on the data group, waits are plain timed waits
         return None
+
+
+class StoreExchange:
+    """A group's first identity exchange, through the default store (a ``Work``-like handle: ``wait(timeout)``).
+
+    Why not on the group: until its control group exists, a record sent on the data group meets whatever the
+    other ranks issue there, and a user's collective of another size (rank 1 in ``dist.all_reduce`` while rank 0
+    enters ``shard_module``) aborts the process in gloo's C++ (``op.preamble.length <= op.nbytes``).  Keys in the
+    store meet only our own records; a rank that never comes leaves a timed, probed wait like any collective."""
+
+    def __init__(self, store, keys: list, mine: int, like: torch.Tensor):
+        self.store, self.keys, self.like = store, keys, like
+        store.set(keys[mine], like.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+    @classmethod
+    def open(cls, group, tensor: torch.Tensor, seq: int) -> Optional["StoreExchange"]:
+        pg = group if group is not None else dist.group.WORLD
+        store = _store()
+        if store is None or dist.get_backend(pg) == "fake":
+            return None
+        name = getattr(pg, "group_name", "?")
+        prefix = f"shardtensor/first/{name}/{_incarnations.get(name, 0)}/{seq}/"
+        return cls(store, [f"{prefix}{r}" for r in range(dist.get_world_size(pg))], dist.get_rank(pg), tensor)
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Polls (``store.wait`` logs a warning at each probe's timeout); raises ``TimeoutError`` at the limit."""
+        seconds = 600.0 if timeout is None else timeout.total_seconds()
+        deadline, pause = time.monotonic() + seconds, 0.001
+        while not self.store.check(self.keys):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"wait timeout after {seconds:g} s for the store keys {self.keys}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.store.check(self.keys)
+
+    def gathered_into(self, out: torch.Tensor) -> None:
+        rows = [torch.frombuffer(bytearray(self.store.get(k)), dtype=torch.uint8) for k in self.keys]
+        out.copy_(torch.cat(rows).view(self.like.dtype).view(out.shape))
 
 
 # ---------------------------------------------------------------------------------------------- identity check

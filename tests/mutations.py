@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "first_exchange_on_the_group": Mutation(
+        "shardtensor/_comm_divergence.py", "open",
+        'if store is None or dist.get_backend(pg) == "fake":', "if True:",
+        ("tests/test_divergence.py::test_a_users_collective_on_one_rank_meets_no_library_collective",)),
     "ddp_wrapping_accepted": Mutation(
         "shardtensor/_misuse.py", "__iter__",
         "raise TypeError(_DDP_REFUSAL)", "return iter(())",

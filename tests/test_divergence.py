@@ -187,14 +187,10 @@ def shard_module_on_different_groups() -> dict:
     import torch.distributed as dist
 
     import shardtensor
-    from shardtensor._comm_divergence import _FIELDS
 
     groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
     out = _outcome(lambda: shardtensor.shard_module(_Blocks(1), group=groups[dist.get_rank()]))
-    dist.barrier()  # complete the exchange each rank left pending on the other's group
-    other = groups[1 - dist.get_rank()]
-    dist.all_gather_into_tensor(torch.empty(2 * _FIELDS, dtype=torch.int64), torch.zeros(_FIELDS, dtype=torch.int64),
-                                group=other)
+    dist.barrier()  # (the first exchanges went through the store: nothing is left pending on the groups)
     for g in groups:
         dist.destroy_process_group(g)
     return out
@@ -273,3 +269,33 @@ def test_an_optimizer_step_on_some_ranks_only_is_named_at_the_next_gather(mode):
         assert "rank 0: 5, rank 1: 6" in out["message"], out["message"]  # both optimizers' steps on the group
         assert "all-reduce the condition" in out["message"], out["message"]  # the fix
         assert out["unchanged"], out
+
+
+# ------------------------------------------------------------------------ a user's collective against our first one
+def user_collective_against_shard_module() -> dict:
+    """Rank 1 runs a collective of its own while rank 0 enters shard_module: their first exchanges met on the
+    group, and gloo aborted rank 1's process (``op.preamble.length <= op.nbytes``, SIGABRT).  The first identity
+    exchange goes through the store now: rank 0 names the step at the timeout, rank 1's collective waits on."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    group = dist.new_group([0, 1])
+    previous = shardtensor.set_collective_timeout(3)
+    try:
+        if dist.get_rank() == 1:
+            dist.all_gather_into_tensor(torch.empty(4), torch.ones(2), group=group)
+            out = {"error": None, "message": "its own collective completed"}
+        else:
+            out = _outcome(lambda: shardtensor.shard_module(nn.Linear(4, 4), group=group))
+            dist.all_gather_into_tensor(torch.empty(4), torch.ones(2), group=group)  # release rank 1
+    finally:
+        shardtensor.set_collective_timeout(previous)
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_a_users_collective_on_one_rank_meets_no_library_collective():
+    outcomes = run_on_ranks(2, user_collective_against_shard_module, timeout=60)
+    assert outcomes[0]["error"] == "CollectiveError" and "plan check" in outcomes[0]["message"], outcomes
+    assert outcomes[1]["error"] is None, outcomes

@@ -228,7 +228,8 @@ def _sample_digest(p: torch.Tensor) -> str:
     if p.is_meta or p.numel() == 0:
         return ""
     flat = p.detach().reshape(-1)
-    index = torch.linspace(0, flat.numel() - 1, min(flat.numel(), 1024), device=flat.device).long()
+    count = min(flat.numel(), 1024)  # integer steps: float32 linspace rounds past the last index of a big tensor
+    index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
     sample = flat[index].cpu()
     sample = torch.view_as_real(sample) if sample.is_complex() else sample
     return hashlib.blake2b(sample.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()

@@ -114,6 +114,19 @@ def different_values(how: str) -> str:
     return "no error"
 
 
+def test_the_weight_digest_samples_both_ends_of_a_large_tensor():
+    """The digest's sample includes the first and the last element; a float32 linspace of the indices rounded
+    past the end of a tensor above 2**24 elements (GPT-2's 38.6M-element embedding: IndexError in shard_module)."""
+    from shardtensor._misuse import _sample_digest
+
+    big = torch.zeros(2**24 + 4, dtype=torch.uint8)  # n - 1 = 2**24 + 3 rounds up to 2**24 + 4 in float32
+    digest = _sample_digest(big)
+    for index in (0, -1):
+        changed = big.clone()
+        changed[index] = 1
+        assert _sample_digest(changed) != digest, index
+
+
 @pytest.mark.parametrize("how", ["seed", "one_element"])
 def test_different_weights_on_different_ranks_fail_at_shard_module(how):
     for rank, message in enumerate(run_on_ranks(2, different_values, how)):

@@ -219,7 +219,8 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
                 "models, and a parameter kept whole on every rank (0-d, persist_numel) would never agree; DDP "
                 "would have broadcast rank 0's. Fix: give every rank the same weights before shard_module (seed "
                 "alike before building the model, and per rank after it; or load the same checkpoint), or build "
-                "it on the meta device and call shardtensor.materialize(model) with the same seed on every rank.")
+                "it on the meta device and call shardtensor.materialize(model) with the same seed on every rank "
+                "(so also when a checkpoint loaded after shard_module overwrites every parameter).")
 
 
 def _sample_digest(p: torch.Tensor) -> str:

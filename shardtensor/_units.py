@@ -258,8 +258,11 @@ class UnitSet:
             unit = getattr(module, "_shardtensor_unit", None)
             if unit is None:
                 continue
-            handles.append(module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
-            handles.append(module.register_forward_hook(self._post_forward(unit), always_call=True))
+            # (wrapped: pickling a unit's module names the fix instead of "Can't pickle local object")
+            handles.append(module.register_forward_pre_hook(_misuse.PickleRefusingHook(self._pre_forward(unit)),
+                                                            with_kwargs=True))
+            handles.append(module.register_forward_hook(_misuse.PickleRefusingHook(self._post_forward(unit)),
+                                                        always_call=True))
 
     def take_grad(self, param: ShardedParam, grad: torch.Tensor, owned: bool = False) -> Optional[torch.Tensor]:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to

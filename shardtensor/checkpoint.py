@@ -265,7 +265,8 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     if errors:
         if fresh:
             optimizer.state.clear()  # the zero state made to load into: the optimizer is as it was
-        raise CheckpointError("load_checkpoint: nothing was loaded: " + " | ".join(dict.fromkeys(errors)))
+        reasons = dict.fromkeys(e.removeprefix("load_checkpoint: ") for e in errors)
+        raise CheckpointError("load_checkpoint: nothing was loaded: " + " | ".join(reasons))
     _dcp(lambda: dcp.load(state, checkpoint_id=os.fspath(path)), "load", path)
     # The tensors were loaded in place; these put back what DCP replaced instead (non-tensor values, the optimizer's
     # hyper-parameters).  Not strict for the optimizer: a parameter that never had a gradient has no state, in
@@ -300,11 +301,11 @@ def _check_against_metadata(metadata, state: dict, strict: bool) -> None:
         if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(value.shape):
             shape = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else type(meta).__name__
             raise CheckpointError(f"load_checkpoint: {key!r} has shape {shape} in the checkpoint but "
-                                  f"{tuple(value.shape)} in the model; nothing was loaded. Fix: build the model with "
+                                  f"{tuple(value.shape)} in the model. Fix: build the model with "
                                   "the configuration the checkpoint was saved from (its sizes), then change it")
         if meta.properties.dtype != value.dtype:
             raise CheckpointError(f"load_checkpoint: {key!r} is {meta.properties.dtype} in the checkpoint but "
-                                  f"{value.dtype} in the model; nothing was loaded. Fix: build (or convert) the model "
+                                  f"{value.dtype} in the model. Fix: build (or convert) the model "
                                   f"in {meta.properties.dtype} before shard_module, load, then convert a fresh copy")
     if strict:
         extra = sorted(k for k, m in saved.items() if k.startswith(_MODEL + ".") and k not in flat

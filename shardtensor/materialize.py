@@ -80,7 +80,7 @@ def materialize(
             reset = _reset_method(submodule)
             if reset is not None:
                 reset()
-    _refuse_per_rank_draws(before, _generator_digest(device) != before, state.group)
+    _refuse_per_rank_draws(before, _generator_digest(device), state.group)
     return module
 
 
@@ -89,20 +89,24 @@ def _generator_digest(device: torch.device) -> str:
     return hashlib.blake2b(state.numpy().tobytes(), digest_size=8).hexdigest()  # (hash() differs per process)
 
 
-def _refuse_per_rank_draws(before: str, drew: bool, group) -> None:
+def _refuse_per_rank_draws(before: str, after: str, group) -> None:
     """Each rank keeps its rows of the tensor its own generator drew (see [Note: same values as unsharded init]):
     generators seeded per rank (``torch.manual_seed(rank)``) give a patchwork of the ranks' inits, and parameters
-    kept whole on every rank never agree.  One exchange after the init, on every rank."""
+    kept whole on every rank never agree.  Refused when the init drew (a generator moved) from states that
+    differed and left them different (an ``init_fn`` that seeds alike first ends in one state).  One exchange
+    after the init, on every rank."""
     if _comm.world_size(group) == 1:
         return
-    everyone = _comm.all_gather_object((before, drew), group, label="materialize's check of the random generators")
-    if any(d for _, d in everyone) and len({b for b, _ in everyone}) > 1:
+    everyone = _comm.all_gather_object((before, after), group, label="materialize's check of the random generators")
+    drew = any(b != a for b, a in everyone)
+    if drew and len({b for b, _ in everyone}) > 1 and len({a for _, a in everyone}) > 1:
         raise ValueError(
             f"materialize on rank {_comm.rank(group)}: the ranks' random generators were in different states when "
             "the init drew (torch.manual_seed(rank) before materialize?), so each rank kept its rows of another "
             "draw: the model is a patchwork of the ranks' inits, and parameters kept whole on every rank differ. "
             "Fix: torch.manual_seed(seed) with the same seed on every rank before materialize (seed per rank "
-            "after it, for data and dropout), then build, shard and materialize again.")
+            "after it, for data and dropout), then build, shard and materialize again (also when a checkpoint "
+            "overwrites every parameter afterwards: seed alike anyway, or pass an init_fn that draws nothing).")
 
 
 def _reset_method(module: nn.Module) -> Optional[Callable[[], None]]:

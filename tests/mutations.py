@@ -46,7 +46,7 @@ MUTATIONS = {
         ("tests/test_reliability.py::test_different_weights_on_different_ranks_fail_at_shard_module",)),
     "per_rank_draws_not_refused": Mutation(
         "shardtensor/materialize.py", "_refuse_per_rank_draws",
-        "if any(d for _, d in everyone) and len({b for b, _ in everyone}) > 1:", "if False:",
+        "if drew and len({b for b, _ in everyone}) > 1 and len({a for _, a in everyone}) > 1:", "if False:",
         ("tests/test_misuse.py::test_materialize_with_generators_seeded_per_rank_is_refused_on_every_rank",)),
     "swapped_parameter_not_rehooked": Mutation(
         "shardtensor/_misuse.py", "check_not_moved",

@@ -434,20 +434,29 @@ def test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_s
 
 
 # ------------------------------------------------------------------------ generators seeded per rank at materialize
-def materialize_with_seed_case(per_rank_seed: bool, draws: bool) -> str:
+def materialize_with_seed_case(per_rank_seed: bool, init: str) -> str:
     rank = torch.distributed.get_rank()
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
     shardtensor.shard_module(model)
     torch.manual_seed(rank if per_rank_seed else 0)
-    weights = {k: torch.full(v.shape, 0.5) for k, v in model.state_dict().items()}  # an init that draws nothing
-    return _error_of(lambda: shardtensor.materialize(model, None if draws else lambda m: m.load_state_dict(weights),
-                                                     device="cpu"))
+    weights = {k: torch.full(v.shape, 0.5) for k, v in model.state_dict().items()}
+
+    def seeds_alike_then_draws(m):
+        torch.manual_seed(0)
+        for layer in (m[0], m[2]):
+            layer.reset_parameters()
+
+    init_fn = {"draws": None, "loads": lambda m: m.load_state_dict(weights), "seeds": seeds_alike_then_draws}[init]
+    return _error_of(lambda: shardtensor.materialize(model, init_fn, device="cpu"))
 
 
-@pytest.mark.parametrize("per_rank_seed,draws", [(True, True), (False, True), (True, False)])
-def test_materialize_with_generators_seeded_per_rank_is_refused_on_every_rank(per_rank_seed, draws):
-    for message in run_on_ranks(2, materialize_with_seed_case, per_rank_seed, draws):
+@pytest.mark.parametrize("per_rank_seed,init", [(True, "draws"), (False, "draws"), (True, "loads"), (True, "seeds")])
+def test_materialize_with_generators_seeded_per_rank_is_refused_on_every_rank(per_rank_seed, init):
+    """Refused only when the init drew from generators that differ and left them different: not an init that
+    draws nothing, nor one that seeds every rank alike before it draws."""
+    draws = init == "draws"
+    for message in run_on_ranks(2, materialize_with_seed_case, per_rank_seed, init):
         if per_rank_seed and draws:
             assert "random generators were in different states" in message and "Fix: torch.manual_seed" in message
         else:

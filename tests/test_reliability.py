@@ -311,9 +311,11 @@ def debugging_report() -> dict:
             copy.deepcopy(model)
         except TypeError as exc:
             report["deepcopy_model"] = str(exc)
-        for name, save in (("pickle_model", pickle.dumps), ("torch_save_model", lambda m: torch.save(m, io.BytesIO()))):
+        for name, save in (("pickle_model", lambda: pickle.dumps(model)),
+                           ("torch_save_model", lambda: torch.save(model, io.BytesIO())),
+                           ("pickle_unit", lambda: pickle.dumps([model[0]]))):  # a gather unit's module
             try:
-                save(model)
+                save()
             except TypeError as exc:
                 report[name] = str(exc)
         # what a debugger's variables view does: read every attribute; errors are allowed, communication is not
@@ -344,7 +346,7 @@ def _check_debugging_report(report: dict, rank: int, world: int) -> None:
     assert f"rank={rank}/{world}" in report["texts"][0]
     assert "full_tensor" in report["numeric_format"]
     assert report["copy_shares"] and report["deepcopy_sharded"] and report["pickle_keeps_shard"]
-    for name in ("pickle_model", "torch_save_model"):
+    for name in ("pickle_model", "torch_save_model") + (("pickle_unit",) if world > 1 else ()):  # units: world > 1
         assert "shardtensor.save_checkpoint" in report.get(name, ""), report.get(name)
     assert "cannot pickle a view" in report["pickle_view"]
     assert "deepcopy of a module sharded" in report["deepcopy_model"]

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+import shardtensor
 from shardtensor.layerwise import OwnerLayout
 from shardtensor.tensor import ShardedParam
 
@@ -142,6 +143,7 @@ class Muon:
         try:
             for opt in self.optimizers:
                 opt.step()
+            shardtensor.note_optimizer_step(self._params)  # every rank, owner or not: see its docstring
         finally:
             for p, local in self._proxies:
                 if local is not p:

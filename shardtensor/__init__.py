@@ -13,6 +13,7 @@ from ._dispatch import ShardedOpError
 from .gather import Gatherer, GatherMode
 from .layerwise import OwnerLayout, placement_plan
 from .materialize import materialize
+from ._misuse_optim import note_optimizer_step
 from .policy import GatherPolicy, MixedPrecisionPolicy
 from .reduce import ExactReducer
 from ._layout import ShardLayout
@@ -33,6 +34,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "materialize",
+    "note_optimizer_step",
     "gradient_sync",
     "unshard_module",
     "Gatherer",

@@ -14,6 +14,7 @@ shardtensor is imported; they cost a count comparison and a set lookup per step)
 from __future__ import annotations
 
 import weakref
+from typing import Iterable
 
 import torch
 
@@ -131,6 +132,23 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group, params in cached[1]:
         if any(p.grad is not None for p in params):  # a step with no gradient updates nothing
             _comm.count_optimizer_step(group)
+
+
+def note_optimizer_step(params: Iterable[torch.Tensor]) -> None:
+    """Count one optimizer step over ``params`` (``shardtensor.note_optimizer_step``).
+
+    ``torch.optim`` optimizers are counted by the global step hook above.  An optimizer that is not a
+    ``torch.optim.Optimizer`` and steps other tensors than the sharded parameters (``shardtensor.optim.Muon``
+    steps each owner's local tensors) calls this after each step, on every rank, with the sharded parameters it
+    updated, so that a step taken on some ranks only is named at the next gather."""
+    from .tensor import ShardedParam
+
+    groups: dict = {}
+    for p in params:
+        if isinstance(p, ShardedParam) and p.grad is not None:
+            groups.setdefault(id(p._layout.group), p._layout.group)
+    for group in groups.values():
+        _comm.count_optimizer_step(group)
 
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "muon_steps_not_counted": Mutation(
+        "optim/muon.py", "step",
+        "shardtensor.note_optimizer_step(self._params)", "pass",
+        ("tests/test_divergence.py::test_a_muon_step_on_some_ranks_only_is_named_at_the_next_gather",)),
     "first_exchange_on_the_group": Mutation(
         "shardtensor/_comm_divergence.py", "open",
         'if store is None or dist.get_backend(pg) == "fake":', "if True:",

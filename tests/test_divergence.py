@@ -258,6 +258,31 @@ def extra_step_on_one_rank(mode: str, extra: bool) -> dict:
     return out
 
 
+def muon_step_skipped_on_rank_0() -> dict:
+    """shardtensor.optim.Muon steps each owner's local tensors (no torch.optim hook sees the sharded
+    parameters): it counts its steps through shardtensor.note_optimizer_step."""
+    import torch.distributed as dist
+
+    import shardtensor
+    from shardtensor.optim import Muon
+
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_Blocks(4), placement="layerwise", group=group)
+    opt = Muon(model, lr=0.02, adamw_lr=0.01)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).backward()
+    if dist.get_rank() == 1:
+        opt.step()
+    opt.zero_grad()
+    return _outcome(lambda: model(x).backward())
+
+
+def test_a_muon_step_on_some_ranks_only_is_named_at_the_next_gather():
+    for out in run_on_ranks(2, muon_step_skipped_on_rank_0, timeout=60):
+        assert out["error"] == "DivergenceError" and "rank 0: 0, rank 1: 1" in out["message"], out
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_an_optimizer_step_on_some_ranks_only_is_named_at_the_next_gather(mode):
     outcomes = run_on_ranks(2, extra_step_on_one_rank, mode, False, timeout=60)

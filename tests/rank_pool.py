@@ -43,6 +43,7 @@ def _worker(rank: int, world: int, port: int, inboxes: list, outbox) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    fresh_rng = torch.get_rng_state()  # a fresh process's generator: every job starts from it (see below)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
     inbox = inboxes[rank]
     while True:
@@ -50,7 +51,7 @@ def _worker(rank: int, world: int, port: int, inboxes: list, outbox) -> None:
         if job is None:
             break
         fn, args, kwargs = job
-        _as_a_fresh_program()
+        _as_a_fresh_program(fresh_rng)
         try:
             outbox.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
@@ -58,12 +59,16 @@ def _worker(rank: int, world: int, port: int, inboxes: list, outbox) -> None:
     dist.destroy_process_group()
 
 
-def _as_a_fresh_program() -> None:
-    """Each job stands for a program of its own: forget the optimizer steps earlier jobs counted per group (a job
-    whose step failed on one rank leaves the counts apart, which the identity check would name in the next job;
-    see [Note: optimizer steps in the record])."""
+def _as_a_fresh_program(fresh_rng) -> None:
+    """Each job stands for a program of its own: the global generator in a fresh process's state (earlier jobs
+    drew different amounts on different ranks, and shard_module refuses ranks whose weights differ), and no
+    optimizer steps counted per group (a job whose step failed on one rank leaves the counts apart, which the
+    identity check would name in the next job; see [Note: optimizer steps in the record])."""
+    import torch
+
     from shardtensor import _comm_divergence
 
+    torch.set_rng_state(fresh_rng)
     for pos in _comm_divergence._positions.values():
         pos.steps = 0
 

@@ -38,6 +38,7 @@ def test_repr_survives_a_broken_layout():
 
 
 def remote_repr() -> str:
+    torch.manual_seed(0)  # the same weights on every rank (shard_module compares them)
     p = shardtensor.shard_module(nn.Linear(3, 5)).weight
     return repr(p)
 

@@ -21,6 +21,7 @@ word and give wrong numbers.  ``shard_module`` and the root forward pre-hook cal
 from __future__ import annotations
 
 import hashlib
+import logging
 import weakref
 from typing import Callable
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from . import _comm, _grad_landing
 
+log = logging.getLogger("shardtensor")
 
 
 # ------------------------------------------------------------------------------------------- at load_state_dict
@@ -182,7 +184,8 @@ def _deferred_name(grad_sync, key: str) -> str:
 # ------------------------------------------------------------------------------------------- every rank alike
 def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> None:
     """Different models (or sharding settings) on different ranks would make the gathers disagree (a hang or
-    garbage): fail in ``shard_module``, on every rank, naming the first difference."""
+    garbage): fail in ``shard_module``, on every rank, naming the first difference.  Different weights are
+    not an error: every rank takes rank 0's (see [Note: rank 0's weights])."""
     if _comm.world_size(group) == 1:
         return
     fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
@@ -209,18 +212,30 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
             raise ValueError(f"shard_module on rank {me}: the ranks shard with different settings ({what}); they "
                              "decide which collectives run, so every rank must call shard_module with the same "
                              "arguments.")
-    for other_rank, (*_, other_values) in enumerate(everyone):
-        differ = next((k for k, (a, b) in enumerate(zip(values, other_values)) if a and b and a != b), None)
-        if differ is not None:
-            raise ValueError(
-                f"shard_module on rank {me}: parameter {fingerprint[differ][0]!r} holds other values on rank "
-                f"{other_rank} than here (a model built after torch.manual_seed(rank), or weights loaded on some "
-                "ranks only). Each rank keeps its own rows, so the model would be a patchwork of the ranks' "
-                "models, and a parameter kept whole on every rank (0-d, persist_numel) would never agree; DDP "
-                "would have broadcast rank 0's. Fix: give every rank the same weights before shard_module (seed "
-                "alike before building the model, and per rank after it; or load the same checkpoint), or build "
-                "it on the meta device and call shardtensor.materialize(model) with the same seed on every rank "
-                "(so also when a checkpoint loaded after shard_module overwrites every parameter).")
+    named = list(module.named_parameters())
+    differ = [k for k, digest in enumerate(values)
+              if digest and any(other[3][k] and other[3][k] != digest for other in everyone)]
+    if differ:
+        _take_rank0_weights([named[k] for k in differ], group)
+
+
+# [Note: rank 0's weights]
+# Each rank keeps its own rows of what it built, so weights that differ between ranks would make the model a
+# patchwork of the ranks' models, and a parameter kept whole on every rank (0-d, persist_numel) would never agree.
+# They differ more often than one thinks: torch seeds each new process's generator at random, so a script that
+# never calls torch.manual_seed builds another model on every rank (DDP hides it by broadcasting rank 0's
+# weights at construction).  shard_module does what DDP does, but only for the parameters whose digests differ
+# (a digest of up to 1024 evenly spaced elements rides in the plan check): rank 0's values, broadcast in place.
+def _take_rank0_weights(named: list, group) -> None:
+    with torch.no_grad():
+        for name, p in named:
+            buffer = p.detach() if p.is_contiguous() else p.detach().contiguous()
+            _comm.broadcast(buffer, 0, group, label=f"shard_module: rank 0's values of {name!r}")
+            if buffer is not p:
+                p.detach().copy_(buffer)
+    log.info("shard_module: %d parameters (first %r) held other values on other ranks (no torch.manual_seed, or "
+             "a seed per rank, before building the model): every rank took rank 0's, as DDP does.",
+             len(named), named[0][0])
 
 
 def _sample_digest(p: torch.Tensor) -> str:

@@ -23,7 +23,7 @@ order than this (or tied weights, which keep the last module's init) needs an ``
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import warnings
 from typing import Callable, Optional, Union
 
@@ -33,6 +33,8 @@ from torch import nn
 from . import _comm
 from .api import _sharding_state
 from .tensor import ShardedParam
+
+log = logging.getLogger("shardtensor")
 
 
 @torch.no_grad()
@@ -71,42 +73,50 @@ def materialize(
             if buffer is not None and buffer.is_meta:
                 submodule._buffers[name] = torch.zeros_like(buffer, device=device)
 
-    before = _generator_digest(device)
-    if init_fn is not None:
-        init_fn(module)
-        _warn_buffers_left_zero(module, computed_buffers)
-    else:
-        for submodule in _post_order(module):
-            reset = _reset_method(submodule)
-            if reset is not None:
-                reset()
-    _refuse_per_rank_draws(before, _generator_digest(device), state.group)
+    own_generator = _draw_from_rank0_generator(device, state.group)
+    try:
+        if init_fn is not None:
+            init_fn(module)
+            _warn_buffers_left_zero(module, computed_buffers)
+        else:
+            for submodule in _post_order(module):
+                reset = _reset_method(submodule)
+                if reset is not None:
+                    reset()
+    finally:
+        if own_generator is not None:
+            _set_generator_state(device, own_generator)
     return module
 
 
-def _generator_digest(device: torch.device) -> str:
-    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-    return hashlib.blake2b(state.numpy().tobytes(), digest_size=8).hexdigest()  # (hash() differs per process)
+def _generator_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def _refuse_per_rank_draws(before: str, after: str, group) -> None:
-    """Each rank keeps its rows of the tensor its own generator drew (see [Note: same values as unsharded init]):
-    generators seeded per rank (``torch.manual_seed(rank)``) give a patchwork of the ranks' inits, and parameters
-    kept whole on every rank never agree.  Refused when the init drew (a generator moved) from states that
-    differed and left them different (an ``init_fn`` that seeds alike first ends in one state).  One exchange
-    after the init, on every rank."""
+def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _draw_from_rank0_generator(device: torch.device, group) -> Optional[torch.Tensor]:
+    """Each rank keeps its rows of the tensor its own generator draws (see [Note: same values as unsharded init]),
+    so generators in different states would give a patchwork of the ranks' inits, and parameters kept whole on
+    every rank would never agree.  They differ unless the script seeds alike: torch seeds each new process at
+    random.  Then every rank draws from rank 0's state (rank 0's init, as DDP takes rank 0's weights), and gets
+    its own state back afterwards (returned here; None when the states agree and nothing is changed)."""
     if _comm.world_size(group) == 1:
-        return
-    everyone = _comm.all_gather_object((before, after), group, label="materialize's check of the random generators")
-    drew = any(b != a for b, a in everyone)
-    if drew and len({b for b, _ in everyone}) > 1 and len({a for _, a in everyone}) > 1:
-        raise ValueError(
-            f"materialize on rank {_comm.rank(group)}: the ranks' random generators were in different states when "
-            "the init drew (torch.manual_seed(rank) before materialize?), so each rank kept its rows of another "
-            "draw: the model is a patchwork of the ranks' inits, and parameters kept whole on every rank differ. "
-            "Fix: torch.manual_seed(seed) with the same seed on every rank before materialize (seed per rank "
-            "after it, for data and dropout), then build, shard and materialize again (also when a checkpoint "
-            "overwrites every parameter afterwards: seed alike anyway, or pass an init_fn that draws nothing).")
+        return None
+    own = _generator_state(device)
+    everyone = _comm.all_gather_object(own.cpu().numpy().tobytes(), group,
+                                       label="materialize: the ranks' random generators")
+    if all(state == everyone[0] for state in everyone):
+        return None
+    _set_generator_state(device, torch.frombuffer(bytearray(everyone[0]), dtype=torch.uint8))
+    log.info("materialize: the ranks' random generators differed (no torch.manual_seed, or a seed per rank): "
+             "every rank drew from rank 0's, then got its own back.")
+    return own
 
 
 def _reset_method(module: nn.Module) -> Optional[Callable[[], None]]:

@@ -120,6 +120,47 @@ def test_ranks_with_different_weights_all_take_rank_0s_at_shard_module(how):
         assert all(same.values()), (rank, same)
 
 
+def test_the_weight_digest_samples_both_ends_of_a_large_tensor():
+    """The digest's sample includes the first and the last element; a float32 linspace of the indices rounded
+    past the end of a tensor above 2**24 elements (GPT-2's 38.6M-element embedding: IndexError in shard_module)."""
+    from shardtensor._misuse import _sample_digest
+
+    big = torch.zeros(2**24 + 4, dtype=torch.uint8)  # n - 1 = 2**24 + 3 rounds up to 2**24 + 4 in float32
+    digest = _sample_digest(big)
+    for index in (0, -1):
+        changed = big.clone()
+        changed[index] = 1
+        assert _sample_digest(changed) != digest, index
+
+
+def wrapped_in_ddp(how: str) -> str:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = shardtensor.shard_module(_mlp())
+    try:
+        if how == "direct":
+            DistributedDataParallel(model)
+        elif how == "parent":  # DDP over a module holding the sharded one: refused at its first forward
+            DistributedDataParallel(nn.Sequential(model, nn.Tanh()))(torch.randn(2, 3))
+        else:  # unshard_module gives back a plain model, which DDP may wrap and train
+            ddp = DistributedDataParallel(shardtensor.unshard_module(model))
+            ddp(torch.randn(2, 3)).sum().backward()
+    except TypeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["direct", "parent", "unsharded"])
+def test_ddp_over_a_sharded_model_is_refused_on_every_rank(how):
+    """DDP averaged each rank's gradient rows with other ranks' rows: wrong numbers, silently (transformers'
+    Trainer and accelerate wrap a model in DDP by themselves)."""
+    for message in run_on_ranks(2, wrapped_in_ddp, how):
+        if how == "unsharded":
+            assert message == "no error", message
+        else:
+            assert "DistributedDataParallel over a model sharded" in message and "Fix:" in message, message
+
+
 def different_models(world_check: bool):
     width = 5 + _comm.rank()  # rank-dependent architecture
     try:

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from . import _comm, _grad_landing
 
@@ -188,9 +189,10 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
     not an error: every rank takes rank 0's (see [Note: rank 0's weights])."""
     if _comm.world_size(group) == 1:
         return
-    fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    named = list(module.named_parameters())
+    fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
     plan = (_comm.world_size(group), _comm.group_ranks(group))
-    values = [_sample_digest(p) for _, p in module.named_parameters()]
+    values = [_sample_digest(p) for _, p in named]
     everyone = _comm.all_gather_object(
         (plan, fingerprint, settings, values), group,
         label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
@@ -212,7 +214,6 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
             raise ValueError(f"shard_module on rank {me}: the ranks shard with different settings ({what}); they "
                              "decide which collectives run, so every rank must call shard_module with the same "
                              "arguments.")
-    named = list(module.named_parameters())
     differ = [k for k, digest in enumerate(values)
               if digest and any(other[3][k] and other[3][k] != digest for other in everyone)]
     if differ:
@@ -229,9 +230,10 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
 def _take_rank0_weights(named: list, group) -> None:
     with torch.no_grad():
         for name, p in named:
-            buffer = p.detach() if p.is_contiguous() else p.detach().contiguous()
+            contiguous = p.is_contiguous()
+            buffer = p.detach() if contiguous else p.detach().contiguous()  # the former shares p's storage
             _comm.broadcast(buffer, 0, group, label=f"shard_module: rank 0's values of {name!r}")
-            if buffer is not p:
+            if not contiguous:
                 p.detach().copy_(buffer)
     log.info("shard_module: %d parameters (first %r) held other values on other ranks (no torch.manual_seed, or "
              "a seed per rank, before building the model): every rank took rank 0's, as DDP does.",
@@ -381,7 +383,5 @@ _DDP_REFUSAL = (
 def refuse_inside_ddp() -> None:
     """DDP over a module that *contains* the sharded one never reads the sharded root's attribute: its forward
     does, through the root forward pre-hook (every rank, before any gather)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if DistributedDataParallel._get_active_ddp_module() is not None:
         raise TypeError(_DDP_REFUSAL)

@@ -112,26 +112,20 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 )
 
 
-_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (count, groups of its shards)
+_SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (count, its sharded params)
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Global optimizer step post-hook: count the step for every group whose sharded parameters it updated (see
-    [Note: optimizer steps in the record]): a step taken on some ranks only is named at the next gather."""
+    """Global optimizer step post-hook: count the step (``note_optimizer_step``) over the optimizer's sharded
+    parameters, listed once per parameter count."""
     from .tensor import ShardedParam
 
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    cached = _GROUPS.get(optimizer)
+    cached = _SHARDED.get(optimizer)
     if cached is None or cached[0] != count:
-        groups: dict = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if isinstance(p, ShardedParam):
-                    groups.setdefault(id(p._layout.group), (p._layout.group, []))[1].append(p)
-        cached = _GROUPS[optimizer] = (count, list(groups.values()))
-    for group, params in cached[1]:
-        if any(p.grad is not None for p in params):  # a step with no gradient updates nothing
-            _comm.count_optimizer_step(group)
+        cached = _SHARDED[optimizer] = (count, [p for group in optimizer.param_groups for p in group["params"]
+                                                if isinstance(p, ShardedParam)])
+    note_optimizer_step(cached[1])
 
 
 def note_optimizer_step(params: Iterable[torch.Tensor]) -> None:
@@ -140,7 +134,9 @@ def note_optimizer_step(params: Iterable[torch.Tensor]) -> None:
     ``torch.optim`` optimizers are counted by the global step hook above.  An optimizer that is not a
     ``torch.optim.Optimizer`` and steps other tensors than the sharded parameters (``shardtensor.optim.Muon``
     steps each owner's local tensors) calls this after each step, on every rank, with the sharded parameters it
-    updated, so that a step taken on some ranks only is named at the next gather."""
+    updated, so that a step taken on some ranks only is named at the next gather (see [Note: optimizer steps
+    in the record]).  A group none of whose parameters has a gradient is not counted: the step changed nothing
+    there."""
     from .tensor import ShardedParam
 
     groups: dict = {}

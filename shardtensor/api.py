@@ -107,6 +107,7 @@ def shard_module(
             "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
         )
     _refuse_parameters_sharded_elsewhere(module)
+    _refuse_uninitialized_parameters(module)
     _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
     policy = _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel)
     precision = _precision_policy(mixed_precision, param_dtype, reduce_dtype)
@@ -255,6 +256,19 @@ def _refuse_parameters_sharded_elsewhere(module: nn.Module) -> None:
                 "again would untie the two (separate shards, separate gradients). Fix: put both modules under "
                 "one parent module and call shard_module once on the parent."
             )
+
+
+def _refuse_uninitialized_parameters(module: nn.Module) -> None:
+    """A lazy module's parameter has no shape until its first forward, so it has no rows to split; torch's own
+    error would come from deep inside the plan check and not say what to do."""
+    from torch.nn.parameter import UninitializedParameter
+
+    for name, param in module.named_parameters():
+        if isinstance(param, UninitializedParameter):
+            raise ValueError(
+                f"shard_module: parameter {name!r} is uninitialized (a lazy module such as nn.LazyLinear has no "
+                "shape before its first forward). Fix: run one forward with a sample batch before shard_module, "
+                "or give the module its input size.")
 
 
 def _refuse_dtensor_parameters(module: nn.Module) -> None:

@@ -78,6 +78,16 @@ def test_sharding_twice_is_a_clear_error():
         shardtensor.shard_module(model)
 
 
+def test_a_lazy_module_is_named_before_anything_is_replaced():
+    model = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"'1.weight' is uninitialized.*forward with a sample batch"):
+        shardtensor.shard_module(model)
+    assert not isinstance(model[0].weight, ShardedParam)  # nothing replaced: the model is usable as it was
+    model(torch.randn(5, 3))  # the fix: one forward gives the lazy layer its shape
+    shardtensor.shard_module(model)
+    assert isinstance(model[1].weight, ShardedParam)
+
+
 def test_unknown_gather_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="gather="):
         shardtensor.shard_module(nn.Linear(2, 2), gather="fast")

@@ -45,7 +45,29 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
                     "optimizer was built, so the optimizer holds the old full tensor: step() would update it while "
                     f"the model never changes. {_FIX_OPTIMIZER}"
                 )
+    _refuse_zero_redundancy(optimizer)
     _CHECKED[optimizer] = count
+
+
+def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
+    """``ZeroRedundancyOptimizer`` (ZeRO-1, kept from a DDP script) steps the parameters one rank owns and then
+    broadcasts them, which a sharded parameter cannot take (see ``_dispatch.refusals._user_collective``): refused
+    at its first step, before any rank updates anything, where its broadcast would have failed after the owners'
+    updates."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from .tensor import ShardedParam
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, ShardedParam):
+                raise TypeError(
+                    f"ZeroRedundancyOptimizer.step(): parameter {p._name!r} is sharded by shard_module, which "
+                    "already shards what ZeroRedundancyOptimizer shards (optimizer state) and the parameters too. "
+                    "Nothing was updated. Fix: use the wrapped optimizer itself, e.g. "
+                    "torch.optim.AdamW(model.parameters(), ...): its state is this rank's rows only.")
 
 
 _STATE_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> id of the state dict checked

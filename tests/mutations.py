@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "user_collective_on_a_copy": Mutation(
+        "shardtensor/_dispatch/refusals.py", "_user_collective",
+        'names = ", ".join(', 'return __import__("shardtensor._dispatch.compute", fromlist=["c"]).compute(func, '
+        'args, kwargs); names = ", ".join(',
+        ("tests/test_misuse.py::test_collectives_of_a_ddp_script_on_sharded_tensors_are_refused_on_every_rank",)),
+    "zero_redundancy_accepted": Mutation(
+        "shardtensor/_misuse_optim.py", "_refuse_zero_redundancy",
+        "if not isinstance(optimizer, ZeroRedundancyOptimizer):", "if True:",
+        ("tests/test_misuse.py::test_collectives_of_a_ddp_script_on_sharded_tensors_are_refused_on_every_rank",)),
     "muon_steps_not_counted": Mutation(
         "optim/muon.py", "step",
         "shardtensor.note_optimizer_step(self._params)", "pass",

@@ -470,3 +470,45 @@ def test_materialize_with_generators_seeded_per_rank_draws_rank_0s_init(per_rank
         assert out["same_as_rank0"], out
         if per_rank_seed:
             assert out["own_generator_back"], out
+
+
+# ------------------------------------------------------------------ DDP-era collectives on parameters and gradients
+def user_collectives_case() -> dict:
+    """A DDP-era script's own collectives over sharded parameters or gradients: each is refused by name on every
+    rank before it communicates, nothing changes, and the process group stays usable."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+    model(torch.randn(3, 4) + dist.get_rank()).sum().backward()
+    weight = model[0].weight
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+    grad_before = weight.grad.to_local().clone()
+    out = torch.empty(6 * dist.get_world_size(), 4)
+    attempts = {
+        "all_reduce(grad)": lambda: dist.all_reduce(weight.grad),
+        "broadcast(param)": lambda: dist.broadcast(weight, 0),
+        "broadcast(param.data)": lambda: dist.broadcast(model[1].bias.data, 0),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, weight.detach()),
+    }
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)  # ZeRO-1, kept from a DDP script
+    messages = {what: _error_of(attempt) for what, attempt in attempts.items()}
+    zero_message = _error_of(zero.step)
+    ones = torch.ones(1)
+    dist.all_reduce(ones)  # the group is still in step: no rank entered a collective the others skipped
+    after = shardtensor.full_state_dict(model)
+    return {"messages": messages, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "grad_unchanged": torch.equal(grad_before, weight.grad.to_local()), "group_sum": ones.item(), "zero": zero_message}
+
+
+def test_collectives_of_a_ddp_script_on_sharded_tensors_are_refused_on_every_rank():
+    for result in run_on_ranks(2, user_collectives_case):
+        for what, message in result["messages"].items():
+            assert "ShardedOpError" in message and "torch.distributed collective" in message, (what, message)
+            assert "delete the manual all_reduce" in message, (what, message)
+        assert "'0.weight'" in result["messages"]["all_reduce(grad)"]
+        assert "'1.bias'" in result["messages"]["broadcast(param.data)"]
+        assert result["unchanged"] and result["grad_unchanged"] and result["group_sum"] == 2.0
+        assert "TypeError: ZeroRedundancyOptimizer.step()" in result["zero"] and "Nothing was updated" in \
+            result["zero"] and "torch.optim.AdamW" in result["zero"], result["zero"]

@@ -10,7 +10,7 @@ import torch
 from typing import NoReturn
 
 from ..tensor import ShardedParam
-from ._common import ShardedOpError, _leaves, _written_params, aten, implements
+from ._common import OpFamily, ShardedOpError, _leaves, _params_in, _written_params, aten, implements
 
 
 def _describe(func, args, kwargs) -> str:
@@ -39,3 +39,22 @@ def _embedding_renorm(func, args, kwargs):
         f"F.embedding(..., max_norm=...) renormalises rows of the sharded weight {name!r} in place, chosen by each "
         "rank's own indices; the shards would disagree. Fix: drop max_norm (renormalise the weight yourself "
         "from indices every rank shares), or keep this embedding unsharded.")
+
+
+USER_COLLECTIVES = OpFamily("torch.distributed collectives", lambda func: func.namespace == "c10d")
+
+
+@implements(USER_COLLECTIVES)
+def _user_collective(func, args, kwargs):
+    """A ShardedParam (or its sharded gradient) handed to ``dist.all_reduce``, ``dist.broadcast``, ``dist.send``...
+    The c10d schemas mark no argument as written, so the generic rule would run the collective on a gathered copy
+    and drop it: a DDP-era ``dist.all_reduce(p.grad); p.grad /= world`` would divide the gradient shard_module
+    already averaged, silently.  The collective is refused on every rank that calls it (DTensor refuses too)."""
+    names = ", ".join(repr(p._name or tuple(p.shape)) for p in _params_in(args, kwargs))
+    raise ShardedOpError(
+        f"{func} (a torch.distributed collective) got the sharded parameter or gradient {names}, which holds only "
+        "this rank's rows. shard_module already does what such collectives do in a DDP script: every rank starts "
+        "from rank 0's weights, and backward averages each gradient across ranks. Fix: delete the manual "
+        "all_reduce of gradients (and the division by the world size) or the broadcast of parameters; use a "
+        "torch.optim optimizer, not ZeroRedundancyOptimizer (its state is sharded already); to send a full "
+        "copy, pass p.full_tensor() (gathered on every rank) or p.to_local() (this rank's rows).")

@@ -37,7 +37,10 @@ from ._comm_work import CollectiveError
 _FIELDS = 6  # seq, kind, label crc, numel, dtype, optimizer steps (see [Note: optimizer steps in the record])
 _LABEL_BYTES = 512
 _FIX = (
-    "Every rank must run the same ops on sharded parameters, in the same order. A submodule whose use depends on "
+    "Every rank must run the same ops on sharded parameters, in the same order. Code under `if rank == 0:` that "
+    "reads sharded parameters or gradients (an evaluation, generate(), logging p.grad.norm(), full_state_dict) "
+    "runs collectives the other ranks do not: run it on every rank and print on one (full_state_dict(model, "
+    "rank0_only=True) on every rank gives rank 0 the tensors). A submodule whose use depends on "
     "the data (mixture-of-experts experts called only for routed tokens, blocks skipped or repeated per rank) "
     "must gather the same on every rank: make the module that holds the experts a gather unit "
     "(shard_module(..., units=[ExpertsModuleClass]): its parameters are gathered and reduced together, whatever "
@@ -259,7 +262,9 @@ def _raise_step_divergence(records: list, group, pos: _Position):
         f"shardtensor rank {dist.get_rank()}: before {pos.label!r} (collective #{pos.seq} on group {pos.tag}) the "
         f"ranks have run different numbers of optimizer steps over the group's sharded parameters ({counts}): an "
         "opt.step() ran on some ranks only, so each rank's rows are at another step and gathered weights would "
-        "mix them; no data was exchanged. Fix: step on every rank alike; a step skipped on a rank-local condition "
+        "mix them (or a rank with fewer steps is still in code the others skipped, such as an evaluation under "
+        "`if rank == 0:`, while they went on to their step); no data was exchanged. Fix: step on every rank "
+        "alike, and run code that reads sharded parameters on every rank; a step skipped on a rank-local condition "
         "(a NaN loss on one rank) must be skipped everywhere: all-reduce the condition first "
         "(dist.all_reduce(flag, op=dist.ReduceOp.MAX)), or let torch.amp.GradScaler skip it (its skips agree).")
 

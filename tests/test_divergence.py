@@ -324,3 +324,44 @@ def test_a_users_collective_on_one_rank_meets_no_library_collective():
     outcomes = run_on_ranks(2, user_collective_against_shard_module, timeout=60)
     assert outcomes[0]["error"] == "CollectiveError" and "plan check" in outcomes[0]["message"], outcomes
     assert outcomes[1]["error"] is None, outcomes
+
+
+# ------------------------------------------------------------------------- code under `if rank == 0:` in a loop
+def rank0_only_code(what: str) -> dict:
+    """A training loop with a line only rank 0 runs that reads sharded tensors (each reading communicates): every
+    rank raises in seconds, and the message points at the rank-0-only code."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)), group=group)
+    opt = torch.optim.AdamW(model.parameters())
+    rank0_only = {
+        "log a gradient norm": lambda: model[0].weight.grad.norm().item(),
+        "evaluate": lambda: model(torch.randn(2, 4)),
+        "full_state_dict": lambda: shardtensor.full_state_dict(model),
+    }[what]
+
+    def loop():
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+            if dist.get_rank() == 0:
+                rank0_only()
+            opt.step()
+            opt.zero_grad()
+
+    started = time.perf_counter()
+    out = _outcome(loop)
+    out["seconds"] = time.perf_counter() - started
+    dist.destroy_process_group(group)
+    return out
+
+
+@pytest.mark.parametrize("what", ["log a gradient norm", "evaluate", "full_state_dict"])
+def test_code_under_if_rank_0_that_reads_sharded_tensors_is_named_on_every_rank(what):
+    for rank, out in enumerate(run_on_ranks(2, rank0_only_code, what, timeout=120)):
+        assert out["error"] == "DivergenceError", (rank, out)
+        assert "`if rank == 0:`" in out["message"] and "on every rank" in out["message"], (rank, out["message"])
+        assert out["seconds"] < 30, (rank, out["seconds"])  # the identity check, not the collective timeout

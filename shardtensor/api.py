@@ -108,6 +108,7 @@ def shard_module(
         )
     _refuse_parameters_sharded_elsewhere(module)
     _refuse_uninitialized_parameters(module)
+    _refuse_sparse_embeddings(module)
     _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
     policy = _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel)
     precision = _precision_policy(mixed_precision, param_dtype, reduce_dtype)
@@ -269,6 +270,17 @@ def _refuse_uninitialized_parameters(module: nn.Module) -> None:
                 f"shard_module: parameter {name!r} is uninitialized (a lazy module such as nn.LazyLinear has no "
                 "shape before its first forward). Fix: run one forward with a sample batch before shard_module, "
                 "or give the module its input size.")
+
+
+def _refuse_sparse_embeddings(module: nn.Module) -> None:
+    """``nn.Embedding(sparse=True)`` gives its weight a sparse COO gradient, which has no rows to reduce-scatter:
+    backward would fail inside the gradient hook with torch's "reshape is not implemented for sparse tensors"."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise ValueError(
+                f"shard_module: {type(sub).__name__} {name!r} has sparse=True: its sparse gradient cannot be "
+                "reduce-scattered to this rank's rows. Fix: build it with sparse=False (each rank keeps only its "
+                "rows of the dense gradient; use torch.optim.Adam instead of SparseAdam).")
 
 
 def _refuse_dtensor_parameters(module: nn.Module) -> None:

@@ -223,6 +223,10 @@ class GradSync:
                 return grad
             if _grad_landing.captured_by_autograd_grad(param):  # see [Note: torch.autograd.grad of ...]
                 return grad
+            if grad.layout is not torch.strided:  # F.embedding(..., sparse=True) called on a sharded weight
+                raise RuntimeError(f"the gradient of {param._name!r} is {grad.layout} (sparse=True in "
+                                   "F.embedding or F.embedding_bag): a sharded parameter needs a dense gradient. "
+                                   "Fix: sparse=False.")
             owned = _only_autograd_holds(grad)
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later

@@ -88,6 +88,25 @@ def test_a_lazy_module_is_named_before_anything_is_replaced():
     assert isinstance(model[1].weight, ShardedParam)
 
 
+def _functional_sparse_embedding_case() -> str:
+    torch.manual_seed(0)
+    table = shardtensor.shard_module(nn.Linear(6, 13))  # its weight read as a 13 x 6 embedding table
+    try:
+        nn.functional.embedding(torch.tensor([[1, 4, 12]]), table.weight, sparse=True).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_sparse_embedding_gradients_are_named():
+    model = nn.Sequential(nn.Embedding(13, 6, sparse=True), nn.Linear(6, 2))
+    with pytest.raises(ValueError, match=r"Embedding '0' has sparse=True.*Fix: build it with sparse=False"):
+        shardtensor.shard_module(model)
+    assert not isinstance(model[0].weight, ShardedParam)
+    for message in run_on_ranks(2, _functional_sparse_embedding_case):
+        assert "'weight'" in message and "torch.sparse_coo" in message and "sparse=False" in message, message
+
+
 def test_unknown_gather_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="gather="):
         shardtensor.shard_module(nn.Linear(2, 2), gather="fast")

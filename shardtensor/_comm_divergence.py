@@ -38,9 +38,9 @@ _FIELDS = 6  # seq, kind, label crc, numel, dtype, optimizer steps (see [Note: o
 _LABEL_BYTES = 512
 _FIX = (
     "Every rank must run the same ops on sharded parameters, in the same order. Code under `if rank == 0:` that "
-    "reads sharded parameters or gradients (an evaluation, generate(), logging p.grad.norm(), full_state_dict) "
-    "runs collectives the other ranks do not: run it on every rank and print on one (full_state_dict(model, "
-    "rank0_only=True) on every rank gives rank 0 the tensors). A submodule whose use depends on "
+    "reads or loads sharded parameters or gradients (an evaluation, generate(), logging p.grad.norm(), "
+    "full_state_dict, load_state_dict) runs collectives the other ranks do not: run it on every rank and print "
+    "on one (full_state_dict(model, rank0_only=True) on every rank gives rank 0 the tensors). A submodule whose use depends on "
     "the data (mixture-of-experts experts called only for routed tokens, blocks skipped or repeated per rank) "
     "must gather the same on every rank: make the module that holds the experts a gather unit "
     "(shard_module(..., units=[ExpertsModuleClass]): its parameters are gathered and reduced together, whatever "

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _comm, _misuse, _misuse_optim  # noqa: F401  (_misuse_optim: its global step hooks)
+from . import _agreement, _comm, _misuse, _misuse_optim  # noqa: F401  (_misuse_optim: its global step hooks)
 from ._layout import ShardLayout
 from ._full import gather_full
 from ._traced import record_param_dtype
@@ -156,6 +156,8 @@ def shard_module(
     handles.append(module.register_forward_pre_hook(
         _misuse.PickleRefusingHook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync)), with_kwargs=True))
     handles.append(module.register_load_state_dict_pre_hook(_misuse.refuse_other_ranks_shards))
+    handles.append(module.register_load_state_dict_pre_hook(_agreement.agree_on_load))
+    handles.append(module.register_load_state_dict_post_hook(_agreement.loaded))
     attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
     module._ddp_params_and_buffers_to_ignore = _misuse.RefuseDDP()

@@ -166,6 +166,9 @@ class ShardedParam(torch.Tensor):
                 f"({tuple(self.shape)}, {self.dtype}, {self.device}), the same on every rank, and keeps this rank's "
                 "rows; its shape, dtype and device cannot change after shard_module. Fix: convert or resize the "
                 "model before shard_module, or write values with p.copy_(full) (or p.to_local().copy_(rows)).")
+        from . import _agreement  # see [Note: full tensors written into shards]
+
+        _agreement.refuse_differing([(name, self, value.detach())], f"{name!r}.data = ...")
         with torch.no_grad():
             self._layout.copy_own_rows(self._local, value.detach())
 

@@ -512,3 +512,41 @@ def test_collectives_of_a_ddp_script_on_sharded_tensors_are_refused_on_every_ran
         assert result["unchanged"] and result["grad_unchanged"] and result["group_sum"] == 2.0
         assert "TypeError: ZeroRedundancyOptimizer.step()" in result["zero"] and "Nothing was updated" in \
             result["zero"] and "torch.optim.AdamW" in result["zero"], result["zero"]
+
+
+# ------------------------------------------------------------------- full tensors that differ between ranks
+def differing_full_tensors_case() -> dict:
+    """Full tensors written into shards that differ between ranks (each rank's own file, batch or generator):
+    refused by name on every rank with nothing copied, or (a random init) rank 0's draw on every rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+    model.load_state_dict(plain.state_dict())  # the same on every rank: loads
+    before = shardtensor.full_state_dict(model)
+    own = {k: v + rank for k, v in plain.state_dict().items()}  # another file on each rank
+    weight = model[0].weight
+    messages = {
+        "load_state_dict": _error_of(lambda: model.load_state_dict(own)),
+        "copy_": _error_of(lambda: weight.detach().copy_(own["0.weight"])),
+        ".data": _error_of(lambda: setattr(weight, "data", own["0.weight"].clone())),
+    }
+    unchanged = all(torch.equal(v, shardtensor.full_state_dict(model)[k]) for k, v in before.items())
+    torch.manual_seed(100 + rank)  # generators apart: a re-init after sharding draws on each rank
+    nn.init.normal_(model[1].weight)
+    torch.manual_seed(100)
+    drawn = nn.init.normal_(torch.empty(2, 6))  # rank 0's draw
+    return {"messages": messages, "unchanged": unchanged, "loaded_equal": torch.equal(before["0.weight"],
+            plain.state_dict()["0.weight"]), "init_is_rank0s": torch.equal(shardtensor.full_state_dict(model)[
+            "1.weight"], drawn)}
+
+
+def test_full_tensors_that_differ_between_ranks_are_refused_or_taken_from_rank_0():
+    for result in run_on_ranks(2, differing_full_tensors_case):
+        assert result["loaded_equal"] and result["unchanged"], result
+        for what, message in result["messages"].items():
+            assert "ValueError" in message and "differs between ranks" in message, (what, message)
+            assert "'0.weight'" in message and "Nothing was copied" in message, (what, message)
+        assert result["init_is_rank0s"], result

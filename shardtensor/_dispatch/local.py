@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _agreement
 from .._full import gather_full
 from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
@@ -240,6 +241,8 @@ def _copy(func, args, kwargs):
         if src.shape != dst.shape:
             raise ValueError(f"copy_ into ShardedParam {dst._name!r}: source shape {tuple(src.shape)} "
                              f"!= parameter shape {tuple(dst.shape)}")
+    if _agreement.is_plain(src):  # see [Note: full tensors written into shards]
+        _agreement.refuse_differing([(dst._name, dst, src)], f"copy_ into {dst._name!r}")
     with torch.no_grad():
         dst._layout.copy_own_rows(dst._local, src)
     _mark_written((dst,))
@@ -269,6 +272,7 @@ def _random_init(func, args, kwargs):
         _refuse(func, args, kwargs, "random in-place ops on views of shards are not supported")
     full = torch.empty(self._layout.shape, dtype=self.dtype, device=self.device)
     func(full, *args[1:], **kwargs)
+    _agreement.take_rank0_draw(self, full)  # see [Note: full tensors written into shards]
     self._layout.copy_own_rows(self._local, full)
     _mark_written((self,))
     return self

@@ -1,0 +1,102 @@
+"""Full tensors written into shards must be the same on every rank.
+
+[Note: full tensors written into shards]
+``p.copy_(t)``, ``p.data = t``, ``model.load_state_dict(sd)`` and ``nn.init.normal_(p)`` take a tensor of the
+parameter's full shape on every rank and keep this rank's rows of it.  When ``t`` differs between ranks (each
+rank loaded another file, computed it from its own batch, or drew it from its own generator), nothing fails and
+the parameter becomes a patchwork of the ranks' tensors.  Before such a write the ranks exchange a digest of up
+to 1024 sampled elements (one small all-gather, checked like every collective): a write of differing tensors is
+refused on every rank, naming the parameter, before anything is copied; a random draw takes rank 0's (any draw
+is a valid init, and rank 0's is the one the unsharded model on rank 0 would make).  The exchange also turns a
+write on some ranks only (``if rank == 0: model.load_state_dict(sd)``), a patchwork once more, into a named
+divergence at the next collective of the others.  ``load_state_dict`` checks all its tensors in one exchange in
+its pre-hook, before the first copy (a failed load changes nothing); the copies it then makes are not checked
+again.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import _comm
+from ._misuse import _sample_digest
+
+_AGREED: dict[int, "weakref.ref"] = {}  # tensors a load_state_dict pre-hook has checked, until its post-hook
+
+
+def _digest(t: torch.Tensor) -> int:
+    text = _sample_digest(t)
+    return int(text, 16) - (1 << 63) if text else 0
+
+
+def _group_and_world(param) -> tuple:
+    group = getattr(param._layout, "group", None)
+    return group, (_comm.world_size(group) if _comm.is_distributed() else 1)
+
+
+def differing(items: list, what: str) -> list:
+    """Names of ``items`` (``(name, param, full)`` of one group) whose full tensors differ between ranks."""
+    if not items:
+        return []
+    group, world = _group_and_world(items[0][1])
+    if world == 1:
+        return []
+    mine = torch.tensor([_digest(full) for _, _, full in items], dtype=torch.int64,
+                        device=items[0][1]._local.device)
+    label = f"{what}: digests of the full tensors of {items[0][0]!r}" + (
+        f" and {len(items) - 1} more" if len(items) > 1 else "")
+    everyone = _comm.all_gather_rows(mine.unsqueeze(0), group, label=label).buffer.cpu()
+    return [items[k][0] for k in range(len(items)) if not bool((everyone[:, k] == everyone[0, k]).all())]
+
+
+def refuse_differing(items: list, what: str) -> None:
+    """Raise on every rank, before anything is copied, if any full tensor of ``items`` differs between ranks."""
+    by_group: dict = {}
+    for item in items:
+        if _AGREED.get(id(item[2]), lambda: None)() is not item[2]:
+            by_group.setdefault(id(getattr(item[1]._layout, "group", None)), []).append(item)
+    for group_items in by_group.values():
+        names = differing(group_items, what)
+        if names:
+            raise ValueError(
+                f"{what}: the full tensor written into the sharded parameter {names[0]!r}"
+                f"{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} differs between ranks, so each rank "
+                "would keep its rows of another tensor (a patchwork). Nothing was copied. Fix: write the same "
+                "tensor on every rank (load the same file, seed alike, or dist.broadcast(t, 0) first), and run "
+                "the write on every rank.")
+
+
+def is_plain(t) -> bool:
+    """A plain tensor, the same object on every rank only by the user's doing (not a ShardedParam or DTensor,
+    whose reads communicate)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def take_rank0_draw(param, full: torch.Tensor) -> None:
+    """``nn.init.normal_(p)`` and friends draw ``full`` from this rank's generator: where the ranks' draws
+    differ, every rank takes rank 0's (broadcast in place)."""
+    if differing([(param._name, param, full)], f"nn.init of {param._name!r}"):
+        group, _ = _group_and_world(param)
+        _comm.broadcast(full, 0, group, label=f"rank 0's random draw for {param._name!r}")
+
+
+def agree_on_load(module, state_dict: dict, prefix: str, *args) -> None:
+    """Load pre-hook of a sharded root: every full tensor headed for a sharded parameter, in one exchange."""
+    from .tensor import ShardedParam
+
+    _AGREED.clear()
+    items = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(param, ShardedParam) and is_plain(value) and tuple(value.shape) == tuple(param.shape):
+            items.append((name, param, value))
+    refuse_differing(items, "load_state_dict")
+    for _, _, value in items:
+        _AGREED[id(value)] = weakref.ref(value)
+
+
+def loaded(*args) -> None:
+    """Load post-hook: the tensors checked by ``agree_on_load`` are checked no longer."""
+    _AGREED.clear()

@@ -16,14 +16,27 @@ again.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 
 import torch
 
 from . import _comm
-from ._misuse import _sample_digest
 
 _AGREED: dict[int, "weakref.ref"] = {}  # tensors a load_state_dict pre-hook has checked, until its post-hook
+
+
+def _sample_digest(p: torch.Tensor) -> str:
+    """A digest of up to 1024 evenly spaced elements (and the shape): enough to tell differently seeded or
+    loaded weights apart, at the cost of a gather of samples, not a read of the model.  Empty for meta tensors."""
+    if p.is_meta or p.numel() == 0:
+        return ""
+    flat = p.detach().reshape(-1)
+    count = min(flat.numel(), 1024)  # integer steps: float32 linspace rounds past the last index of a big tensor
+    index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+    sample = flat[index].cpu()
+    sample = torch.view_as_real(sample) if sample.is_complex() else sample
+    return hashlib.blake2b(sample.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -84,13 +97,11 @@ def take_rank0_draw(param, full: torch.Tensor) -> None:
 
 def agree_on_load(module, state_dict: dict, prefix: str, *args) -> None:
     """Load pre-hook of a sharded root: every full tensor headed for a sharded parameter, in one exchange."""
-    from .tensor import ShardedParam
-
     _AGREED.clear()
     items = []
-    for name, param in module.named_parameters(remove_duplicate=False):
+    for name, param in module._shardtensor.params.items():  # the sharded parameters, by name
         value = state_dict.get(prefix + name)
-        if isinstance(param, ShardedParam) and is_plain(value) and tuple(value.shape) == tuple(param.shape):
+        if is_plain(value) and tuple(value.shape) == tuple(param.shape):
             items.append((name, param, value))
     refuse_differing(items, "load_state_dict")
     for _, _, value in items:

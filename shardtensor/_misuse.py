@@ -20,7 +20,6 @@ word and give wrong numbers.  ``shard_module`` and the root forward pre-hook cal
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import weakref
 from typing import Callable
@@ -30,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _comm, _grad_landing
+from ._agreement import _sample_digest
 
 log = logging.getLogger("shardtensor")
 
@@ -238,19 +238,6 @@ def _take_rank0_weights(named: list, group) -> None:
     log.info("shard_module: %d parameters (first %r) held other values on other ranks (no torch.manual_seed, or "
              "a seed per rank, before building the model): every rank took rank 0's, as DDP does.",
              len(named), named[0][0])
-
-
-def _sample_digest(p: torch.Tensor) -> str:
-    """A digest of up to 1024 evenly spaced elements (and the shape): enough to tell differently seeded or
-    loaded weights apart, at the cost of a gather of samples, not a read of the model.  Empty for meta tensors."""
-    if p.is_meta or p.numel() == 0:
-        return ""
-    flat = p.detach().reshape(-1)
-    count = min(flat.numel(), 1024)  # integer steps: float32 linspace rounds past the last index of a big tensor
-    index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
-    sample = flat[index].cpu()
-    sample = torch.view_as_real(sample) if sample.is_complex() else sample
-    return hashlib.blake2b(sample.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _first_difference(mine: list, other: list, other_rank: int) -> str:

@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "differing_copy_accepted": Mutation(
+        "shardtensor/_agreement.py", "refuse_differing",
+        "        if names:\n", "        if False:\n",
+        ("tests/test_misuse.py::test_full_tensors_that_differ_between_ranks_are_refused_or_taken_from_rank_0",)),
+    "own_random_draw_kept": Mutation(
+        "shardtensor/_agreement.py", "take_rank0_draw",
+        "_comm.broadcast(full, 0, group,", "(lambda *a, **k: None)(full, 0, group,",
+        ("tests/test_misuse.py::test_full_tensors_that_differ_between_ranks_are_refused_or_taken_from_rank_0",)),
     "user_collective_on_a_copy": Mutation(
         "shardtensor/_dispatch/refusals.py", "_user_collective",
         'names = ", ".join(', 'return __import__("shardtensor._dispatch.compute", fromlist=["c"]).compute(func, '

@@ -79,9 +79,9 @@ def _check(kind: str, tensor: torch.Tensor, group, label: str) -> int:
     return _div.check_identity(kind, tensor, group, label or _label.get(), _identity_all_gather)
 
 
-def count_optimizer_step(group) -> None:
+def count_optimizer_step(group, settings: int = 0) -> None:
     """An optimizer step over sharded parameters of ``group`` (see [Note: optimizer steps in the record])."""
-    _div.count_optimizer_step(group)
+    _div.count_optimizer_step(group, settings)
 
 
 def set_collective_timeout(seconds: float) -> float:

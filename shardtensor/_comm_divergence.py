@@ -6,10 +6,10 @@ A comm module (with ``_comm``): the ``torch.distributed`` calls that check ident
 Per-op gathers make every rank's collective sequence a function of what its data made it compute.  Where the data
 decides which parameters a rank touches (MoE routing, skipped blocks), two ranks can meet in one collective with
 different tensors: same sizes mix silently, different sizes abort in gloo's C++ (``op.preamble.length <=
-op.nbytes``).  So before each data collective the ranks all-gather a six-number record (the group's sequence
+op.nbytes``).  So before each data collective the ranks all-gather a seven-number record (the group's sequence
 number, the collective's kind, a CRC of its label -- which names the parameter --, the element count, the
-dtype, and the optimizer steps this rank ran over the group's parameters, see [Note: optimizer steps in the
-record]) on a gloo control group of the data group's own (``control_group``), where it does not queue behind the
+dtype, the optimizer steps this rank ran over the group's parameters and a digest of their settings, see [Note:
+optimizer steps in the record]) on a gloo control group of the data group's own (``control_group``), where it does not queue behind the
 gathers already prefetched on the data group (the group's first record goes through the default store:
 ``StoreExchange``).  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
 ``DivergenceError`` (after one more exchange of the full labels, so the message names both parameters), and the
@@ -34,7 +34,8 @@ import torch.distributed as dist
 from ._comm_work import CollectiveError
 
 
-_FIELDS = 6  # seq, kind, label crc, numel, dtype, optimizer steps (see [Note: optimizer steps in the record])
+_FIELDS = 7  # seq, kind, label crc, numel, dtype, optimizer steps and their settings (see [Note: optimizer steps
+#              in the record])
 _LABEL_BYTES = 512
 _FIX = (
     "Every rank must run the same ops on sharded parameters, in the same order. Code under `if rank == 0:` that "
@@ -88,10 +89,11 @@ def positive_seconds(setter: str, seconds: float) -> float:
 class _Position:
     """This rank's count of checked collectives on one group, and the last one's label (for the probes)."""
 
-    __slots__ = ("tag", "seq", "label", "group", "steps")
+    __slots__ = ("tag", "seq", "label", "group", "steps", "settings")
 
     def __init__(self, tag: str, group):
         self.tag, self.seq, self.label, self.steps = tag, 0, "", 0  # steps: see count_optimizer_step
+        self.settings = 0  # a running digest of the hyperparameters of those steps
         self.group = group  # held, so that no later group object can reuse its id() while this count stands
 
 
@@ -230,7 +232,8 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gathe
     started = time.perf_counter()
     world = dist.get_world_size(group)
     dtype_code = _crc(str(tensor.dtype))
-    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code, pos.steps], dtype=torch.int64)
+    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code, pos.steps,
+                         pos.settings], dtype=torch.int64)
     everyone = torch.empty(world * _FIELDS, dtype=torch.int64)
     all_gather(everyone, mine, group, f"identity check before {pos.label}", pos.seq)
     if torch.equal(everyone.view(world, _FIELDS), mine.expand(world, _FIELDS)):
@@ -238,7 +241,7 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gathe
         _stats[1] += time.perf_counter() - started
         return pos.seq
     records = everyone.view(world, _FIELDS).tolist()
-    if all(r[:-1] == records[0][:-1] for r in records):
+    if all(r[:5] == records[0][:5] for r in records):
         _raise_step_divergence(records, group, pos)
     # Every rank holds the same records, so every rank is here: one more exchange for the full names.
     text = _describe(kind, label, tensor.numel(), tensor.dtype)
@@ -250,14 +253,25 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gathe
 # NaN loss, a rank-dependent condition) updates only its own rows and nothing fails: the gathered weights then
 # mix rows of two steps, silently, for the rest of the run.  Each rank counts the optimizer steps it ran over
 # sharded parameters of a group (a global step post-hook, ``_misuse``) and the count rides in the identity
-# record, so the next gather after such a step raises on every rank, before the mixed weights are used.
-def count_optimizer_step(group) -> None:
-    position(group).steps += 1
+# record, so the next gather after such a step raises on every rank, before the mixed weights are used.  A step
+# with other hyperparameters on some ranks (``if rank == 0: scheduler.step()``: each rank's rows then move by
+# another learning rate) is as silent; a running digest of each step's settings rides beside the count.
+def count_optimizer_step(group, settings: int = 0) -> None:
+    pos = position(group)
+    pos.steps += 1
+    pos.settings = zlib.crc32(f"{pos.settings}:{settings}".encode()) - (1 << 31)
 
 
 def _raise_step_divergence(records: list, group, pos: _Position):
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    counts = ", ".join(f"rank {ranks[r]}: {records[r][-1]}" for r in range(len(records)))
+    counts = ", ".join(f"rank {ranks[r]}: {records[r][5]}" for r in range(len(records)))
+    if all(r[5] == records[0][5] for r in records):
+        raise DivergenceError(
+            f"shardtensor rank {dist.get_rank()}: before {pos.label!r} (collective #{pos.seq} on group {pos.tag}) "
+            f"the ranks have run as many optimizer steps ({counts}) but with different settings (lr, weight decay, "
+            "momentum...) in some step: each rank's rows moved by another rule, and gathered weights would mix "
+            "them; no data was exchanged. Fix: change the settings on every rank alike: step an LR scheduler on "
+            "every rank, not under `if rank == 0:`, and edit param_groups on every rank.")
     raise DivergenceError(
         f"shardtensor rank {dist.get_rank()}: before {pos.label!r} (collective #{pos.seq} on group {pos.tag}) the "
         f"ranks have run different numbers of optimizer steps over the group's sharded parameters ({counts}): an "

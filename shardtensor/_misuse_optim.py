@@ -14,6 +14,7 @@ shardtensor is imported; they cost a count comparison and a set lookup per step)
 from __future__ import annotations
 
 import weakref
+import zlib
 from typing import Iterable
 
 import torch
@@ -147,10 +148,21 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if cached is None or cached[0] != count:
         cached = _SHARDED[optimizer] = (count, [p for group in optimizer.param_groups for p in group["params"]
                                                 if isinstance(p, ShardedParam)])
-    note_optimizer_step(cached[1])
+    note_optimizer_step(cached[1], _settings_digest(optimizer))
 
 
-def note_optimizer_step(params: Iterable[torch.Tensor]) -> None:
+_SETTINGS = (int, float, bool, str, tuple, type(None))
+
+
+def _settings_digest(optimizer: torch.optim.Optimizer) -> int:
+    """A digest of the step's hyperparameters (each group's lr, weight decay, betas...), which must agree across
+    ranks as the step counts must (an LR scheduler stepped under ``if rank == 0:`` moves each rank's rows by
+    another rate)."""
+    return zlib.crc32(repr([[(k, v) for k, v in sorted(g.items()) if k != "params" and isinstance(v, _SETTINGS)]
+                            for g in optimizer.param_groups]).encode())
+
+
+def note_optimizer_step(params: Iterable[torch.Tensor], settings: int = 0) -> None:
     """Count one optimizer step over ``params`` (``shardtensor.note_optimizer_step``).
 
     ``torch.optim`` optimizers are counted by the global step hook above.  An optimizer that is not a
@@ -158,7 +170,8 @@ def note_optimizer_step(params: Iterable[torch.Tensor]) -> None:
     steps each owner's local tensors) calls this after each step, on every rank, with the sharded parameters it
     updated, so that a step taken on some ranks only is named at the next gather (see [Note: optimizer steps
     in the record]).  A group none of whose parameters has a gradient is not counted: the step changed nothing
-    there."""
+    there.  ``settings``: a number standing for the step's hyperparameters (the same on every rank unless
+    something differs; 0 when the optimizer has none to compare)."""
     from .tensor import ShardedParam
 
     groups: dict = {}
@@ -166,7 +179,7 @@ def note_optimizer_step(params: Iterable[torch.Tensor]) -> None:
         if isinstance(p, ShardedParam) and p.grad is not None:
             groups.setdefault(id(p._layout.group), p._layout.group)
     for group in groups.values():
-        _comm.count_optimizer_step(group)
+        _comm.count_optimizer_step(group, settings)
 
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "step_settings_not_compared": Mutation(
+        "shardtensor/_misuse_optim.py", "_step_post_hook",
+        "note_optimizer_step(cached[1], _settings_digest(optimizer))", "note_optimizer_step(cached[1])",
+        ("tests/test_divergence.py::test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather[rank 0 only]",)),
     "differing_copy_accepted": Mutation(
         "shardtensor/_agreement.py", "refuse_differing",
         "        if names:\n", "        if False:\n",

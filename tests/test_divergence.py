@@ -367,3 +367,41 @@ def test_code_under_if_rank_0_that_reads_sharded_tensors_is_named_on_every_rank(
         assert out["error"] == "DivergenceError", (rank, out)
         assert "`if rank == 0:`" in out["message"] and "on every rank" in out["message"], (rank, out["message"])
         assert out["seconds"] < 30, (rank, out["seconds"])  # the identity check, not the collective timeout
+
+
+def scheduler_on_rank_0_only(where: str) -> dict:
+    """An LR scheduler stepped inside a logging block on rank 0: the ranks take as many optimizer steps, but rank
+    0's rows move by another learning rate from then on (a silent patchwork, also under DDP's replicas)."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)), group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def loop():
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if where == "every rank" or dist.get_rank() == 0:
+                sched.step()
+
+    out = _outcome(loop)
+    dist.destroy_process_group(group)
+    return out
+
+
+@pytest.mark.parametrize("where", ["every rank", "rank 0 only"])
+def test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather(where):
+    outcomes = run_on_ranks(2, scheduler_on_rank_0_only, where, timeout=120)
+    for rank, out in enumerate(outcomes):
+        if where == "every rank":
+            assert out["error"] is None, (rank, out)
+            continue
+        assert out["error"] == "DivergenceError", (rank, out)
+        assert "different settings" in out["message"] and "rank 0: 2, rank 1: 2" in out["message"], out["message"]
+        assert "scheduler" in out["message"], out["message"]

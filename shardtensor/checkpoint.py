@@ -211,6 +211,10 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     import torch.distributed.checkpoint as dcp
 
     group, directory = _group(module), Path(path)
+    # DCP's own collectives are neither checked nor timed: a save under `if rank == 0:` waited in them for the
+    # process group's timeout (30 min).  This checked one names it first (a DivergenceError, or a CollectiveError
+    # at shardtensor's timeout).
+    _comm.barrier(group, label="save_checkpoint: every rank of the group must call it, not only rank 0")
     state = {_MODEL: get_model_state_dict(module)}  # ShardedParams: DCP saves their rows (see the Note above)
     if optimizer is not None:
         error = ""

@@ -306,3 +306,37 @@ def test_save_shards_manifest_with_a_flipped_byte_says_it_is_damaged(tmp_path):
     manifest.write_text(text.replace('"0.weight"', '"0.weighT"', 1))  # still valid JSON: a renamed key
     for message in run_on_ranks(2, shards_case, str(tmp_path), "load"):
         assert "manifest-rank00000-of-00002.json: damaged manifest" in message, message
+
+
+def save_on_rank_0_only(path: str) -> dict:
+    """`if rank == 0: save_checkpoint(dir, model)` while rank 1 went on to the script's end: DCP's collectives are
+    neither checked nor timed, so rank 0 waited for the process group's timeout (30 min).  Now its first step is
+    a checked barrier, named at shardtensor's collective timeout."""
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    model = shardtensor.shard_module(_model(0), group=group)
+    previous = shardtensor.set_collective_timeout(3)
+    out = {"error": None, "message": "", "seconds": 0.0}
+    try:
+        if dist.get_rank() == 0:
+            started = time.perf_counter()
+            try:
+                shardtensor.save_checkpoint(path, model)
+            except Exception as exc:  # noqa: BLE001 - the test asserts on the type
+                out = {"error": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - started}
+        dist.barrier(group=group)  # the script's end (rank 0 joins it after its error, releasing rank 1)
+    finally:
+        shardtensor.set_collective_timeout(previous)
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_save_checkpoint_on_rank_0_only_is_named_at_the_collective_timeout(tmp_path):
+    rank0, rank1 = run_on_ranks(2, save_on_rank_0_only, str(tmp_path / "ckpt"), timeout=120)
+    assert rank0["error"] == "CollectiveError", rank0
+    assert "save_checkpoint: every rank of the group must call it" in rank0["message"], rank0["message"]
+    assert rank0["seconds"] < 30, rank0
+    assert rank1["error"] is None

@@ -9,8 +9,8 @@ different tensors: same sizes mix silently, different sizes abort in gloo's C++ 
 op.nbytes``).  So before each data collective the ranks all-gather a seven-number record (the group's sequence
 number, the collective's kind, a CRC of its label -- which names the parameter --, the element count, the
 dtype, the optimizer steps this rank ran over the group's parameters and a digest of their settings, see [Note:
-optimizer steps in the record]) on a gloo control group of the data group's own (``control_group``), where it does not queue behind the
-gathers already prefetched on the data group (the group's first record goes through the default store:
+optimizer steps in the record]) on a gloo control group of the data group's own (``control_group``), where it
+does not queue behind the gathers already prefetched on the data group (the group's first record goes through the default store:
 ``StoreExchange``).  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
 ``DivergenceError`` (after one more exchange of the full labels, so the message names both parameters), and the
 data collective is never issued.  ``set_divergence_check(False)`` or ``SHARDTENSOR_DIVERGENCE_CHECK=0`` turns

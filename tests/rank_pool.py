@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, port: int, inboxes: list, outbox) -> None:
 def _as_a_fresh_program(fresh_rng) -> None:
     """Each job stands for a program of its own: the global generator in a fresh process's state (earlier jobs
     drew different amounts on different ranks, and shard_module refuses ranks whose weights differ), and no
-    optimizer steps counted per group (a job whose step failed on one rank leaves the counts apart, which the
+    optimizer steps (and their settings) counted per group (a job whose step failed on one rank leaves the counts apart, which the
     identity check would name in the next job; see [Note: optimizer steps in the record])."""
     import torch
 
@@ -70,7 +70,7 @@ def _as_a_fresh_program(fresh_rng) -> None:
 
     torch.set_rng_state(fresh_rng)
     for pos in _comm_divergence._positions.values():
-        pos.steps = 0
+        pos.steps = pos.settings = 0
 
 
 class _Pool:

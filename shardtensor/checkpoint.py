@@ -211,10 +211,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     import torch.distributed.checkpoint as dcp
 
     group, directory = _group(module), Path(path)
-    # DCP's own collectives are neither checked nor timed: a save under `if rank == 0:` waited in them for the
-    # process group's timeout (30 min).  This checked one names it first (a DivergenceError, or a CollectiveError
-    # at shardtensor's timeout).
-    _comm.barrier(group, label="save_checkpoint: every rank of the group must call it, not only rank 0")
+    _same_path_on_every_rank(path, group, "save_checkpoint")
     state = {_MODEL: get_model_state_dict(module)}  # ShardedParams: DCP saves their rows (see the Note above)
     if optimizer is not None:
         error = ""
@@ -251,6 +248,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     import torch.distributed.checkpoint as dcp
 
     group, directory = _group(module), Path(path)
+    _same_path_on_every_rank(path, group, "load_checkpoint")
     fresh = optimizer is not None and not optimizer.state
     error = ""
     try:
@@ -279,6 +277,19 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, _unwrap_shards(state[_OPTIM], wrapped),
                                  options=StateDictOptions(strict=False))
+
+
+def _same_path_on_every_rank(path, group, what: str) -> None:
+    """DCP's own collectives are neither checked nor timed: a save under `if rank == 0:` waited in them for the
+    process group's timeout (30 min), and ranks given different directories (a path from the clock) wrote or
+    read different checkpoints.  This checked exchange names both first."""
+    paths = _comm.all_gather_object(os.fspath(path), group,
+                                    label=f"{what}: every rank of the group must call it, not only rank 0")
+    if len(set(paths)) > 1:
+        which = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
+        raise ValueError(f"{what}: the ranks passed different paths ({which}), but a checkpoint is one directory "
+                         "that every rank writes and reads. Nothing was written or read. Fix: derive the path "
+                         "from something every rank shares (the step number), not the clock or the rank.")
 
 
 def _check_param_groups(metadata, optimizer: torch.optim.Optimizer) -> None:

@@ -30,7 +30,7 @@ class Mutation(NamedTuple):
 MUTATIONS = {
     "save_checkpoint_unchecked": Mutation(
         "shardtensor/checkpoint.py", "save_checkpoint",
-        '    _comm.barrier(group, label="save_checkpoint: every rank', '    (lambda *a, **k: None)(group, label="save_checkpoint: every rank',
+        '    _same_path_on_every_rank(path, group, "save_checkpoint")', '    pass',
         ("tests/test_checkpoint.py::test_save_checkpoint_on_rank_0_only_is_named_at_the_collective_timeout",)),
     "step_settings_not_compared": Mutation(
         "shardtensor/_misuse_optim.py", "_step_post_hook",

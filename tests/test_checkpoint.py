@@ -340,3 +340,31 @@ def test_save_checkpoint_on_rank_0_only_is_named_at_the_collective_timeout(tmp_p
     assert "save_checkpoint: every rank of the group must call it" in rank0["message"], rank0["message"]
     assert rank0["seconds"] < 30, rank0
     assert rank1["error"] is None
+
+
+def paths_per_rank(root: str) -> dict:
+    """A checkpoint directory named from the clock (or the rank) is another directory on each rank."""
+    import os
+
+    import torch.distributed as dist
+
+    model = shardtensor.shard_module(_model(0))
+    path = os.path.join(root, f"ckpt-{dist.get_rank()}")
+    out = {}
+    for what, call in (("save", lambda: shardtensor.save_checkpoint(path, model)),
+                       ("load", lambda: shardtensor.load_checkpoint(path, model))):
+        try:
+            call()
+            out[what] = "no error"
+        except ValueError as exc:
+            out[what] = str(exc)
+    out["written"] = sorted(os.listdir(root))
+    return out
+
+
+def test_checkpoint_paths_that_differ_between_ranks_are_named_before_anything_is_written(tmp_path):
+    for out in run_on_ranks(2, paths_per_rank, str(tmp_path), timeout=120):
+        for what in ("save", "load"):
+            assert f"{what}_checkpoint: the ranks passed different paths" in out[what], out
+            assert "ckpt-0" in out[what] and "ckpt-1" in out[what], out
+        assert out["written"] == [], out

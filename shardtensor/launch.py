@@ -15,6 +15,7 @@ import pickle
 import socket
 import tempfile
 import time
+import traceback
 from typing import Any, Callable, Optional
 
 
@@ -37,7 +38,12 @@ def _run_rank(rank: int, worker: Callable, world: int, port: int, args: tuple, o
     """One spawned rank: run the worker, then hand its result to the parent through ``out_dir``."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    result = worker(rank, world, port, *args)
+    try:
+        result = worker(rank, world, port, *args)
+    except BaseException:  # when it failed, so the parent can name the first failure, not its echo on a peer
+        with open(os.path.join(out_dir, f"rank{rank}.failed"), "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     with open(path + ".tmp", "wb") as f:
         pickle.dump(result, f)
@@ -68,7 +74,8 @@ def spawn_ranks(worker: Callable, world: int, *args: Any, timeout: Optional[floa
                     raise RankFailed(f"{_name(worker)} on {world} ranks: no result after {timeout:.0f} s "
                                      "(a hang); every rank was killed")
         except mp.ProcessRaisedException as e:
-            raise RankFailed(f"{_name(worker)}: rank {e.error_index} of {world} raised:\n{e}", e.error_index) from None
+            rank, text = _first_failure(out_dir, world, e.error_index, str(e))
+            raise RankFailed(f"{_name(worker)}: rank {rank} of {world} raised:\n{text}", rank) from None
         except mp.ProcessExitedException as e:
             raise RankFailed(f"{_name(worker)}: rank {e.error_index} of {world} died (exit code {e.exit_code}"
                              f"{', signal ' + e.signal_name if e.signal_name else ''}) before returning a result; "
@@ -87,6 +94,25 @@ def spawn_ranks(worker: Callable, world: int, *args: Any, timeout: Optional[floa
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def _first_failure(out_dir: str, world: int, reported: int, text: str) -> tuple:
+    """The rank that raised first, and its traceback.  A rank that raises makes its peers' collectives fail too
+    ("Connection closed by peer"), and torch reports whichever failed rank it notices first; the cause is the
+    earliest.  Peers still failing get a moment to write their time down."""
+    time.sleep(0.5)
+    failures = []
+    for rank in range(world):
+        try:
+            with open(os.path.join(out_dir, f"rank{rank}.failed")) as f:
+                when, _, trace = f.read().partition("\n")
+            failures.append((float(when), rank, trace))
+        except (OSError, ValueError):
+            continue
+    if not failures:
+        return reported, text
+    _, rank, trace = min(failures)
+    return rank, trace
 
 
 def _name(worker: Callable) -> str:

@@ -81,3 +81,15 @@ def test_rank_pool_reports_a_raising_rank_while_its_peer_is_stuck(monkeypatch):
     with pytest.raises(AssertionError, match=r"ranks \[0\] gave no result") as exc:
         run_on_ranks(2, _pool_fail_on_rank_1, "raise", timeout=120)
     assert "ValueError: pool rank 1 fails on purpose" in str(exc.value)
+
+
+def test_the_first_failure_is_named_not_its_echo_on_a_peer(tmp_path):
+    """Rank 1 raises; rank 0's collective then fails with "Connection closed by peer", and torch may notice rank
+    0 first (seen under load): the launcher names the rank that failed first."""
+    from shardtensor.launch import _first_failure
+
+    (tmp_path / "rank0.failed").write_text("200.5\nRuntimeError: Connection closed by peer\n")
+    (tmp_path / "rank1.failed").write_text("200.1\nValueError: rank 1 fails on purpose\n")
+    rank, text = _first_failure(str(tmp_path), 2, reported=0, text="torch's report of rank 0")
+    assert rank == 1 and "ValueError: rank 1 fails on purpose" in text
+    assert _first_failure(str(tmp_path / "none"), 2, reported=0, text="kept") == (0, "kept")

@@ -95,14 +95,19 @@ def take_rank0_draw(param, full: torch.Tensor) -> None:
         _comm.broadcast(full, 0, group, label=f"rank 0's random draw for {param._name!r}")
 
 
-def agree_on_load(module, state_dict: dict, prefix: str, *args) -> None:
-    """Load pre-hook of a sharded root: every full tensor headed for a sharded parameter, in one exchange."""
-    _AGREED.clear()
+def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: str, *args) -> None:
+    """Load pre-hook of the sharded root and of each module above a sharded parameter (``params``: the module's
+    sharded parameters by name, its subtree's): every full tensor headed for them, in one exchange.  The first
+    hook of a load checks all of its tensors; the hooks of the modules below find them agreed (torch copies a
+    module's parameters and catches what ``copy_`` raises, so the per-copy check alone would leave a load half
+    done, and a load on one rank only waiting at every parameter)."""
+    if root:
+        _AGREED.clear()
     items = []
-    for name, param in module._shardtensor.params.items():  # the sharded parameters, by name
+    for name, param in params.items():
         value = state_dict.get(prefix + name)
         if is_plain(value) and tuple(value.shape) == tuple(param.shape):
-            items.append((name, param, value))
+            items.append((param._name or name, param, value))  # the message names it as the model does
     refuse_differing(items, "load_state_dict")
     for _, _, value in items:
         _AGREED[id(value)] = weakref.ref(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -156,8 +157,7 @@ def shard_module(
     handles.append(module.register_forward_pre_hook(
         _misuse.PickleRefusingHook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync)), with_kwargs=True))
     handles.append(module.register_load_state_dict_pre_hook(_misuse.refuse_other_ranks_shards))
-    handles.append(module.register_load_state_dict_pre_hook(_agreement.agree_on_load))
-    handles.append(module.register_load_state_dict_post_hook(_agreement.loaded))
+    _hook_loads(module, names, handles)
     attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
     module._ddp_params_and_buffers_to_ignore = _misuse.RefuseDDP()
@@ -259,6 +259,21 @@ def _refuse_parameters_sharded_elsewhere(module: nn.Module) -> None:
                 "again would untie the two (separate shards, separate gradients). Fix: put both modules under "
                 "one parent module and call shard_module once on the parent."
             )
+
+
+def _hook_loads(module: nn.Module, names: dict, handles: list) -> None:
+    """Every module above a sharded parameter checks the full tensors a ``load_state_dict`` of it brings (see
+    [Note: full tensors written into shards] in ``_agreement``)."""
+    below: dict[str, dict] = {"": dict(names)}
+    for fqn, param in names.items():
+        parts = fqn.split(".")
+        for depth in range(1, len(parts)):  # each module above it: its name there
+            below.setdefault(".".join(parts[:depth]), {})[".".join(parts[depth:])] = param
+    for module_name, submodule in module.named_modules():
+        if module_name in below:
+            handles.append(submodule.register_load_state_dict_pre_hook(
+                functools.partial(_agreement.agree_on_load, below[module_name], module_name == "")))
+    handles.append(module.register_load_state_dict_post_hook(_agreement.loaded))
 
 
 def _refuse_uninitialized_parameters(module: nn.Module) -> None:

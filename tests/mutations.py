@@ -28,6 +28,12 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "submodule_loads_unchecked": Mutation(
+        "shardtensor/api.py", "_hook_loads",
+        "        if module_name in below:", '        if module_name == "":',
+        ("tests/test_misuse.py::test_full_tensors_that_differ_between_ranks_are_refused_or_taken_from_rank_0",
+         "tests/test_divergence.py::test_code_under_if_rank_0_that_reads_sharded_tensors_is_named_on_every_rank"
+         "[load a block's state dict]")),
     "save_checkpoint_unchecked": Mutation(
         "shardtensor/checkpoint.py", "save_checkpoint",
         '    _same_path_on_every_rank(path, group, "save_checkpoint")', '    pass',

@@ -341,6 +341,8 @@ def rank0_only_code(what: str) -> dict:
     exported = shardtensor.full_state_dict(model)  # on every rank
     rank0_only = {
         "load_state_dict": lambda: model.load_state_dict(exported),  # rank 0 alone would keep its rows of it
+        "load a block's state dict": lambda: model[2].load_state_dict({"weight": exported["2.weight"],
+                                                                       "bias": exported["2.bias"]}),
         "log a gradient norm": lambda: model[0].weight.grad.norm().item(),
         "evaluate": lambda: model(torch.randn(2, 4)),
         "full_state_dict": lambda: shardtensor.full_state_dict(model),
@@ -361,7 +363,8 @@ def rank0_only_code(what: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("what", ["log a gradient norm", "evaluate", "full_state_dict", "load_state_dict"])
+@pytest.mark.parametrize("what", ["log a gradient norm", "evaluate", "full_state_dict", "load_state_dict",
+                                  "load a block's state dict"])
 def test_code_under_if_rank_0_that_reads_sharded_tensors_is_named_on_every_rank(what):
     for rank, out in enumerate(run_on_ranks(2, rank0_only_code, what, timeout=120)):
         assert out["error"] == "DivergenceError", (rank, out)

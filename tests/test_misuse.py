@@ -530,6 +530,8 @@ def differing_full_tensors_case() -> dict:
     weight = model[0].weight
     messages = {
         "load_state_dict": _error_of(lambda: model.load_state_dict(own)),
+        "a block's load_state_dict": _error_of(lambda: model[0].load_state_dict(
+            {"weight": own["0.weight"], "bias": plain.state_dict()["0.bias"]})),
         "copy_": _error_of(lambda: weight.detach().copy_(own["0.weight"])),
         ".data": _error_of(lambda: setattr(weight, "data", own["0.weight"].clone())),
     }

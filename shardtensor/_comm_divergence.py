@@ -271,7 +271,8 @@ def _raise_step_divergence(records: list, group, pos: _Position):
             f"the ranks have run as many optimizer steps ({counts}) but with different settings (lr, weight decay, "
             "momentum...) in some step: each rank's rows moved by another rule, and gathered weights would mix "
             "them; no data was exchanged. Fix: change the settings on every rank alike: step an LR scheduler on "
-            "every rank, not under `if rank == 0:`, and edit param_groups on every rank.")
+            "every rank, not under `if rank == 0:`, feed ReduceLROnPlateau a metric all-reduced across ranks (not "
+            "each rank's own loss), and edit param_groups on every rank.")
     raise DivergenceError(
         f"shardtensor rank {dist.get_rank()}: before {pos.label!r} (collective #{pos.seq} on group {pos.tag}) the "
         f"ranks have run different numbers of optimizer steps over the group's sharded parameters ({counts}): an "

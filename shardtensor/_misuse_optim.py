@@ -151,14 +151,22 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     note_optimizer_step(cached[1], _settings_digest(optimizer))
 
 
-_SETTINGS = (int, float, bool, str, tuple, type(None))
+_NUMBERS = (int, float, bool)  # (bool is an int; str and None compare as they are)
+
+
+def _is_setting(value) -> bool:
+    """A number (or a tuple of numbers, as ``betas``): what a step's arithmetic reads.  Other values (a callback
+    kept in a group) may print an address, which differs between processes."""
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, _NUMBERS) for v in value)
+    return isinstance(value, (*_NUMBERS, str, type(None)))
 
 
 def _settings_digest(optimizer: torch.optim.Optimizer) -> int:
     """A digest of the step's hyperparameters (each group's lr, weight decay, betas...), which must agree across
     ranks as the step counts must (an LR scheduler stepped under ``if rank == 0:`` moves each rank's rows by
     another rate)."""
-    return zlib.crc32(repr([[(k, v) for k, v in sorted(g.items()) if k != "params" and isinstance(v, _SETTINGS)]
+    return zlib.crc32(repr([[(k, v) for k, v in sorted(g.items()) if k != "params" and _is_setting(v)]
                             for g in optimizer.param_groups]).encode())
 
 

@@ -382,7 +382,8 @@ def scheduler_on_rank_0_only(where: str) -> dict:
     group = dist.new_group([0, 1])
     torch.manual_seed(0)
     model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)), group=group)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # a callback kept in the group prints an address, which differs between processes: not a setting
+    opt = torch.optim.SGD([{"params": model.parameters(), "hooks": (_outcome,)}], lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
     def loop():

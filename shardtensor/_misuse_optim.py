@@ -147,8 +147,10 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     cached = _SHARDED.get(optimizer)
     if cached is None or cached[0] != count:
         cached = _SHARDED[optimizer] = (count, [p for group in optimizer.param_groups for p in group["params"]
-                                                if isinstance(p, ShardedParam)])
-    note_optimizer_step(cached[1], _settings_digest(optimizer))
+                                                if isinstance(p, ShardedParam)],
+                                        [i for i, group in enumerate(optimizer.param_groups)
+                                         if any(isinstance(p, ShardedParam) for p in group["params"])])
+    note_optimizer_step(cached[1], _settings_digest(optimizer, cached[2]))
 
 
 _NUMBERS = (int, float, bool)  # (bool is an int; str and None compare as they are)
@@ -162,12 +164,13 @@ def _is_setting(value) -> bool:
     return isinstance(value, (*_NUMBERS, str, type(None)))
 
 
-def _settings_digest(optimizer: torch.optim.Optimizer) -> int:
-    """A digest of the step's hyperparameters (each group's lr, weight decay, betas...), which must agree across
-    ranks as the step counts must (an LR scheduler stepped under ``if rank == 0:`` moves each rank's rows by
-    another rate)."""
-    return zlib.crc32(repr([[(k, v) for k, v in sorted(g.items()) if k != "params" and _is_setting(v)]
-                            for g in optimizer.param_groups]).encode())
+def _settings_digest(optimizer: torch.optim.Optimizer, sharded_groups: list) -> int:
+    """A digest of the step's hyperparameters (the lr, weight decay, betas... of each group holding sharded
+    parameters; a group of a rank's own unsharded module may differ), which must agree across ranks as the step
+    counts must (an LR scheduler stepped under ``if rank == 0:`` moves each rank's rows by another rate)."""
+    groups = optimizer.param_groups
+    return zlib.crc32(repr([[(k, v) for k, v in sorted(groups[i].items()) if k != "params" and _is_setting(v)]
+                            for i in sharded_groups]).encode())
 
 
 def note_optimizer_step(params: Iterable[torch.Tensor], settings: int = 0) -> None:

@@ -283,9 +283,10 @@ def _same_path_on_every_rank(path, group, what: str) -> None:
     """DCP's own collectives are neither checked nor timed: a save under `if rank == 0:` waited in them for the
     process group's timeout (30 min), and ranks given different directories (a path from the clock) wrote or
     read different checkpoints.  This checked exchange names both first."""
-    paths = _comm.all_gather_object(os.fspath(path), group,
+    paths = _comm.all_gather_object((os.fspath(path), os.path.abspath(path)), group,
                                     label=f"{what}: every rank of the group must call it, not only rank 0")
-    if len(set(paths)) > 1:
+    if len({absolute for _, absolute in paths}) > 1:  # ("./ckpt/" and "/work/ckpt" in /work are one directory)
+        paths = [given for given, _ in paths]
         which = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
         raise ValueError(f"{what}: the ranks passed different paths ({which}), but a checkpoint is one directory "
                          "that every rank writes and reads. Nothing was written or read. Fix: derive the path "

@@ -44,7 +44,7 @@ MUTATIONS = {
         ("tests/test_checkpoint.py::test_save_checkpoint_on_rank_0_only_is_named_at_the_collective_timeout",)),
     "step_settings_not_compared": Mutation(
         "shardtensor/_misuse_optim.py", "_step_post_hook",
-        "note_optimizer_step(cached[1], _settings_digest(optimizer))", "note_optimizer_step(cached[1])",
+        "note_optimizer_step(cached[1], _settings_digest(optimizer, cached[2]))", "note_optimizer_step(cached[1])",
         ("tests/test_divergence.py::test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather[rank 0 only]",)),
     "differing_copy_accepted": Mutation(
         "shardtensor/_agreement.py", "refuse_differing",
@@ -97,7 +97,7 @@ MUTATIONS = {
         ("tests/test_grad_landing.py::test_a_clamping_hook_alone_sees_the_reduced_gradient",)),
     "optimizer_steps_not_counted": Mutation(
         "shardtensor/_misuse_optim.py", "_step_post_hook",
-        "note_optimizer_step(cached[1], _settings_digest(optimizer))", "pass",
+        "note_optimizer_step(cached[1], _settings_digest(optimizer, cached[2]))", "pass",
         ("tests/test_divergence.py::test_an_optimizer_step_on_some_ranks_only_is_named_at_the_next_gather",)),
     "data_assignment_ignored": Mutation(
         "shardtensor/tensor.py", "data",

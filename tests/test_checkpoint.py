@@ -362,6 +362,27 @@ def paths_per_rank(root: str) -> dict:
     return out
 
 
+def one_directory_spelled_two_ways(root: str) -> bool:
+    import os
+
+    import torch.distributed as dist
+
+    model = shardtensor.shard_module(_model(0))
+    before = os.getcwd()
+    os.chdir(root)
+    try:  # "./ckpt/" on rank 0, the absolute path on rank 1: one directory
+        path = "./ckpt/" if dist.get_rank() == 0 else os.path.join(root, "ckpt")
+        shardtensor.save_checkpoint(path, model)
+        shardtensor.load_checkpoint(path, model)
+    finally:
+        os.chdir(before)  # the rank pool's process serves later tests
+    return os.path.exists(os.path.join(root, "ckpt", ".metadata"))
+
+
+def test_one_checkpoint_directory_spelled_two_ways_is_one_path(tmp_path):
+    assert run_on_ranks(2, one_directory_spelled_two_ways, str(tmp_path), timeout=120) == [True, True]
+
+
 def test_checkpoint_paths_that_differ_between_ranks_are_named_before_anything_is_written(tmp_path):
     for out in run_on_ranks(2, paths_per_rank, str(tmp_path), timeout=120):
         for what in ("save", "load"):

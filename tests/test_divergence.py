@@ -383,12 +383,14 @@ def scheduler_on_rank_0_only(where: str) -> dict:
     torch.manual_seed(0)
     model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)), group=group)
     # a callback kept in the group prints an address, which differs between processes: not a setting
-    opt = torch.optim.SGD([{"params": model.parameters(), "hooks": (_outcome,)}], lr=0.1, momentum=0.9)
+    head = nn.Linear(2, 1)  # a rank's own unsharded module, at its own learning rate: not compared
+    opt = torch.optim.SGD([{"params": model.parameters(), "hooks": (_outcome,)},
+                           {"params": head.parameters(), "lr": 0.01 * (1 + dist.get_rank())}], lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
     def loop():
         for _ in range(3):
-            model(torch.randn(3, 4)).sum().backward()
+            head(model(torch.randn(3, 4))).sum().backward()
             opt.step()
             opt.zero_grad()
             if where == "every rank" or dist.get_rank() == 0:

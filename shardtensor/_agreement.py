@@ -87,12 +87,30 @@ def is_plain(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
+# [Note: rank 0's weights]
+# Each rank keeps its own rows of what it built, so weights that differ between ranks would make the model a
+# patchwork of the ranks' models, and a parameter kept whole on every rank (0-d, persist_numel) would never agree.
+# They differ more often than one thinks: torch seeds each new process's generator at random, so a script that
+# never calls torch.manual_seed builds another model on every rank (DDP hides it by broadcasting rank 0's
+# weights at construction).  shard_module does what DDP does, but only for the parameters whose digests differ
+# (a digest of up to 1024 evenly spaced elements rides in the plan check): rank 0's values, broadcast in place.
+# A random init after shard_module (``take_rank0_draw``) takes rank 0's draw the same way.
+def take_rank0_values(named: list, group, what: str = "shard_module") -> None:
+    """Rank 0's values of each ``(name, tensor)``, broadcast in place."""
+    with torch.no_grad():
+        for name, p in named:
+            contiguous = p.is_contiguous()
+            buffer = p.detach() if contiguous else p.detach().contiguous()  # the former shares p's storage
+            _comm.broadcast(buffer, 0, group, label=f"{what}: rank 0's values of {name!r}")
+            if not contiguous:
+                p.detach().copy_(buffer)
+
+
 def take_rank0_draw(param, full: torch.Tensor) -> None:
     """``nn.init.normal_(p)`` and friends draw ``full`` from this rank's generator: where the ranks' draws
     differ, every rank takes rank 0's (broadcast in place)."""
     if differing([(param._name, param, full)], f"nn.init of {param._name!r}"):
-        group, _ = _group_and_world(param)
-        _comm.broadcast(full, 0, group, label=f"rank 0's random draw for {param._name!r}")
+        take_rank0_values([(param._name, full)], _group_and_world(param)[0], what="nn.init")
 
 
 def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: str, *args) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _comm, _grad_landing
-from ._agreement import _sample_digest
+from ._agreement import _sample_digest, take_rank0_values
 
 log = logging.getLogger("shardtensor")
 
@@ -186,7 +186,7 @@ def _deferred_name(grad_sync, key: str) -> str:
 def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> None:
     """Different models (or sharding settings) on different ranks would make the gathers disagree (a hang or
     garbage): fail in ``shard_module``, on every rank, naming the first difference.  Different weights are
-    not an error: every rank takes rank 0's (see [Note: rank 0's weights])."""
+    not an error: every rank takes rank 0's (see [Note: rank 0's weights] in ``_agreement``)."""
     if _comm.world_size(group) == 1:
         return
     named = list(module.named_parameters())
@@ -217,27 +217,10 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
     differ = [k for k, digest in enumerate(values)
               if digest and any(other[3][k] and other[3][k] != digest for other in everyone)]
     if differ:
-        _take_rank0_weights([named[k] for k in differ], group)
-
-
-# [Note: rank 0's weights]
-# Each rank keeps its own rows of what it built, so weights that differ between ranks would make the model a
-# patchwork of the ranks' models, and a parameter kept whole on every rank (0-d, persist_numel) would never agree.
-# They differ more often than one thinks: torch seeds each new process's generator at random, so a script that
-# never calls torch.manual_seed builds another model on every rank (DDP hides it by broadcasting rank 0's
-# weights at construction).  shard_module does what DDP does, but only for the parameters whose digests differ
-# (a digest of up to 1024 evenly spaced elements rides in the plan check): rank 0's values, broadcast in place.
-def _take_rank0_weights(named: list, group) -> None:
-    with torch.no_grad():
-        for name, p in named:
-            contiguous = p.is_contiguous()
-            buffer = p.detach() if contiguous else p.detach().contiguous()  # the former shares p's storage
-            _comm.broadcast(buffer, 0, group, label=f"shard_module: rank 0's values of {name!r}")
-            if not contiguous:
-                p.detach().copy_(buffer)
-    log.info("shard_module: %d parameters (first %r) held other values on other ranks (no torch.manual_seed, or "
-             "a seed per rank, before building the model): every rank took rank 0's, as DDP does.",
-             len(named), named[0][0])
+        take_rank0_values([named[k] for k in differ], group)  # see [Note: rank 0's weights] in _agreement
+        log.info("shard_module: %d parameters (first %r) held other values on other ranks (no torch.manual_seed, "
+                 "or a seed per rank, before building the model): every rank took rank 0's, as DDP does.",
+                 len(differ), named[differ[0]][0])
 
 
 def _first_difference(mine: list, other: list, other_rank: int) -> str:

@@ -52,7 +52,7 @@ MUTATIONS = {
         ("tests/test_misuse.py::test_full_tensors_that_differ_between_ranks_are_refused_or_taken_from_rank_0",)),
     "own_random_draw_kept": Mutation(
         "shardtensor/_agreement.py", "take_rank0_draw",
-        "_comm.broadcast(full, 0, group,", "(lambda *a, **k: None)(full, 0, group,",
+        "take_rank0_values([(param._name, full)]", "(lambda *a, **k: None)([(param._name, full)]",
         ("tests/test_misuse.py::test_full_tensors_that_differ_between_ranks_are_refused_or_taken_from_rank_0",)),
     "user_collective_on_a_copy": Mutation(
         "shardtensor/_dispatch/refusals.py", "_user_collective",
@@ -81,7 +81,7 @@ MUTATIONS = {
         ("tests/test_reliability.py::test_ddp_over_a_sharded_model_is_refused_on_every_rank[parent]",)),
     "per_rank_weights_kept": Mutation(
         "shardtensor/_misuse.py", "check_same_model_on_every_rank",
-        "_take_rank0_weights([named[k] for k in differ], group)", "pass",
+        "take_rank0_values([named[k] for k in differ], group)", "pass",
         ("tests/test_reliability.py::test_ranks_with_different_weights_all_take_rank_0s_at_shard_module",)),
     "per_rank_generators_kept": Mutation(
         "shardtensor/materialize.py", "_draw_from_rank0_generator",

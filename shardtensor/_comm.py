@@ -64,10 +64,9 @@ def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
 _timeout_s: float = float(os.environ.get("SHARDTENSOR_COLLECTIVE_TIMEOUT", "600"))
 _label: ContextVar[str] = ContextVar("shardtensor_collective_label", default="")
 
-
 from ._comm_work import (  # noqa: E402,F401 (re-exported)
-    _WIRE_DTYPE, CollectiveError, CollectiveResult, _CopyOnWait, _dense, _DoneWork, _reducible, _rows_alias, _WorkList)
-
+    _WIRE_DTYPE, CollectiveError, CollectiveResult, _CopyOnWait, _dense, _DoneWork, _reducible, _rows_alias, _WorkList,
+    keep_past_exit)
 # Imported here, after CollectiveError, which DivergenceError subclasses (the module imports it from this one).
 from . import _comm_divergence as _div  # noqa: E402
 from . import _comm_stall as _stall  # noqa: E402
@@ -159,9 +158,10 @@ class _TimedWork:
                                   self.label or self.kind)
             else:  # stream-ordered (see [Note: every collective has a timeout])
                 self.work.wait()
-        except CollectiveError:
-            raise
         except Exception as exc:  # noqa: BLE001 - every backend error becomes one that names the step
+            keep_past_exit(self.work)  # see [Note: a work given up on outlives the interpreter]
+            if isinstance(exc, CollectiveError):
+                raise
             message = self._message(seconds, exc)
             _stall.publish_failure(message)
             raise CollectiveError(message) from exc

@@ -6,6 +6,7 @@ Split out of ``_comm`` so that module keeps the collectives themselves; ``_comm`
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import NamedTuple
 
@@ -24,6 +25,21 @@ class _DoneWork:
 
     def is_completed(self) -> bool:
         return True
+
+
+# [Note: a work given up on outlives the interpreter]
+# A collective that timed out (or failed) may still be queued in gloo's worker thread, holding its tensors. When
+# the peer's exit finally ends it, the worker thread drops the work, and with it the last C++ reference to tensors
+# that have Python objects: releasing those needs the GIL. If this process is by then finalizing (the
+# ``CollectiveError`` ended the script), taking the GIL makes the thread exit through a C++ frame that cannot
+# unwind, and the process dies of SIGABRT ("terminate called without an active exception") after printing the
+# error. A work given up on is therefore kept referenced for the life of the process: its worker thread never
+# releases it last, and the few tensors it holds are freed by the exit itself.
+def keep_past_exit(work) -> None:
+    """Keep ``work`` (and what it holds) alive until the process ends; see the note above."""
+    if work is None or isinstance(work, _DoneWork):
+        return
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))  # a module list would be cleared during finalization
 
 
 class CollectiveResult(NamedTuple):

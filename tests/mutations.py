@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "given_up_work_released": Mutation(
+        "shardtensor/_comm_work.py", "keep_past_exit",
+        "    ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))", "    pass",
+        ("tests/test_reliability.py::test_a_collective_given_up_on_is_kept_alive_until_the_process_exits",)),
     "settings_digest_reads_addresses": Mutation(
         "shardtensor/_misuse_optim.py", "_is_setting",
         "return all(isinstance(v, _NUMBERS) for v in value)", "return True",

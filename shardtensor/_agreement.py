@@ -40,6 +40,8 @@ def _sample_digest(p: torch.Tensor) -> str:
 
 
 def _digest(t: torch.Tensor) -> int:
+    if not is_plain(t):  # a ShardedParam: each rank holds its own rows, and reading samples would gather
+        return 0
     text = _sample_digest(t)
     return int(text, 16) - (1 << 63) if text else 0
 
@@ -49,29 +51,38 @@ def _group_and_world(param) -> tuple:
     return group, (_comm.world_size(group) if _comm.is_distributed() else 1)
 
 
-def differing(items: list, what: str) -> list:
-    """Names of ``items`` (``(name, param, full)`` of one group) whose full tensors differ between ranks."""
+def differing(items: list, what: str, refusal: str = "") -> list:
+    """Names of ``items`` (``(name, param, full)`` of one group) whose full tensors differ between ranks; ``[None]``
+    if another rank refuses the write (its flag rides first in the exchange)."""
     if not items:
         return []
     group, world = _group_and_world(items[0][1])
     if world == 1:
         return []
-    mine = torch.tensor([_digest(full) for _, _, full in items], dtype=torch.int64,
+    mine = torch.tensor([int(bool(refusal))] + [_digest(full) for _, _, full in items], dtype=torch.int64,
                         device=items[0][1]._local.device)
     label = f"{what}: digests of the full tensors of {items[0][0]!r}" + (
         f" and {len(items) - 1} more" if len(items) > 1 else "")
     everyone = _comm.all_gather_rows(mine.unsqueeze(0), group, label=label).buffer.cpu()
-    return [items[k][0] for k in range(len(items)) if not bool((everyone[:, k] == everyone[0, k]).all())]
+    if bool(everyone[:, 0].any()):
+        return [None]
+    return [items[k][0] for k in range(len(items)) if not bool((everyone[:, k + 1] == everyone[0, k + 1]).all())]
 
 
-def refuse_differing(items: list, what: str) -> None:
-    """Raise on every rank, before anything is copied, if any full tensor of ``items`` differs between ranks."""
+def refuse_differing(items: list, what: str, refusal: str = "") -> None:
+    """Raise on every rank, before anything is copied, if any full tensor of ``items`` differs between ranks, or
+    if any rank refuses the write (``refusal``, its reason, rides in the same exchange as a flag)."""
     by_group: dict = {}
     for item in items:
         if _AGREED.get(id(item[2]), lambda: None)() is not item[2]:
             by_group.setdefault(id(getattr(item[1]._layout, "group", None)), []).append(item)
     for group_items in by_group.values():
-        names = differing(group_items, what)
+        names = differing(group_items, what, refusal)
+        if refusal:
+            raise ValueError(refusal)
+        if names and names[0] is None:
+            raise ValueError(f"{what}: another rank refused it (its error names the tensor and the fix), so no "
+                             "rank copies anything: a load is all ranks' or none's.")
         if names:
             raise ValueError(
                 f"{what}: the full tensor written into the sharded parameter {names[0]!r}"
@@ -121,14 +132,34 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     done, and a load on one rank only waiting at every parameter)."""
     if root:
         _AGREED.clear()
-    items = []
+    items, refusal = [], ""
     for name, param in params.items():
         value = state_dict.get(prefix + name)
-        if is_plain(value) and tuple(value.shape) == tuple(param.shape):
+        if (is_plain(value) or hasattr(value, "_layout")) and tuple(value.shape) == tuple(param.shape):
             items.append((param._name or name, param, value))  # the message names it as the model does
-    refuse_differing(items, "load_state_dict")
+            refusal = refusal or _other_ranks_shard(prefix + name, value)
+    refuse_differing(items, "load_state_dict", refusal)
     for _, _, value in items:
         _AGREED[id(value)] = weakref.ref(value)
+
+
+def _other_ranks_shard(key: str, value) -> str:
+    """Why this rank cannot load ``value``, if it is a ShardedParam pickled by another rank: ``torch.save(model.
+    state_dict())`` on one rank keeps only that rank's rows.  On the saving rank it would load, and every other
+    rank refuses it; the refusal rides in the load's exchange so that every rank raises (a ``try``/``except``
+    around the load, falling back to a fresh start on some ranks only, was a patchwork of old and new rows)."""
+    layout = getattr(value, "_layout", None)
+    saved = (getattr(layout, "rank", None), getattr(layout, "world", None))
+    group = getattr(layout, "group", None)
+    here = (_comm.rank(group), _comm.world_size(group)) if _comm.is_distributed() else (0, 1)
+    if layout is None or None in saved or saved == here:
+        return ""
+    return (f"load_state_dict: {key!r} is rank {saved[0]}'s shard of a {saved[1]}-rank run (model.state_dict() of "
+            f"a sharded model holds each rank's own rows, and torch.save on one rank keeps only that rank's), but "
+            f"this is rank {here[0]} of {here[1]}. Nothing was copied on any rank. Fix: shardtensor.save_checkpoint("
+            "dir, model, opt) / load_checkpoint (any world size), or save shardtensor.full_state_dict(model, "
+            "rank0_only=True) (called on every rank) and load those full tensors with model.load_state_dict on "
+            "every rank.")
 
 
 def loaded(*args) -> None:

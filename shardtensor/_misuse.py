@@ -34,33 +34,6 @@ from ._agreement import _sample_digest, take_rank0_values
 log = logging.getLogger("shardtensor")
 
 
-# ------------------------------------------------------------------------------------------- at load_state_dict
-def refuse_other_ranks_shards(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """Load pre-hook of a sharded root: a ShardedParam in the state dict must be this process's own shard.
-
-    A ShardedParam pickled by ``torch.save(model.state_dict())`` keeps the rank and world it was saved by.  On that
-    rank it loads locally; on any other, ``copy_`` would have to gather rows only the saving rank's file holds,
-    alone, so that rank would wait for peers that never come.  Raised before anything is copied.
-    """
-    from .tensor import ShardedParam  # (tensor imports this module's users, not the reverse)
-
-    for key, value in state_dict.items():
-        if not (isinstance(value, ShardedParam) and key.startswith(prefix)):
-            continue
-        layout = value._layout
-        saved = (getattr(layout, "rank", None), getattr(layout, "world", None))
-        here = (_comm.rank(getattr(layout, "group", None)), _comm.world_size(getattr(layout, "group", None)))
-        if None not in saved and saved != here:
-            raise ValueError(
-                f"load_state_dict: {key!r} is rank {saved[0]}'s shard of a {saved[1]}-rank run (model.state_dict() "
-                f"of a sharded model holds each rank's own rows, and torch.save on one rank keeps only that "
-                f"rank's), but this is rank {here[0]} of {here[1]}. Nothing was copied. Fix: "
-                "shardtensor.save_checkpoint(dir, model, opt) / load_checkpoint (any world size), or save "
-                "shardtensor.full_state_dict(model, rank0_only=True) (called on every rank) and load those full "
-                "tensors with model.load_state_dict on every rank."
-            )
-
-
 # ------------------------------------------------------------------------------------------- at shard_module
 def refuse_plain_grad_in_unit(p) -> None:
     """A unit adds its reduced rows to ``p.grad``; a hook that made it a full plain tensor is named here."""

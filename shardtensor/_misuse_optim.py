@@ -34,6 +34,8 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
     model never changes.  Checked at an optimizer's first step (and again when parameter groups are added),
     before anything is updated; later steps cost one sum over the groups.  (Finding such optimizers at
     ``shard_module`` time needs a scan of every live object, ~0.1-1 s per call: too dear for every model.)"""
+    if isinstance(optimizer, torch.optim.Adafactor):
+        _refuse_factored_moments(optimizer)
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED.get(optimizer) == count:
         return
@@ -69,6 +71,24 @@ def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
                     "already shards what ZeroRedundancyOptimizer shards (optimizer state) and the parameters too. "
                     "Nothing was updated. Fix: use the wrapped optimizer itself, e.g. "
                     "torch.optim.AdamW(model.parameters(), ...): its state is this rank's rows only.")
+
+
+def _refuse_factored_moments(optimizer: torch.optim.Adafactor) -> None:
+    """Adafactor keeps, per matrix, a row and a column mean of the squared gradient; the column means sum over
+    the rows that the ranks split, and its update divides by their mean, neither of which a shard can compute
+    alone.  It used to fail deep in its first matrix's update after stepping the vectors before it (a model
+    left half-stepped); now it is refused before any update, on every rank (each sees the same parameters)."""
+    from .tensor import ShardedParam
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, ShardedParam) and p.dim() >= 2 and p.grad is not None:
+                raise TypeError(
+                    f"Adafactor.step(): parameter {p._name!r} {tuple(p.shape)} is sharded by shard_module, and "
+                    "Adafactor's factored second moments (row and column means of a matrix's squared gradient) "
+                    "need all of its rows. Nothing was updated. Fix: torch.optim.AdamW (or another torch.optim "
+                    "optimizer) on the sharded model, or keep matrices out of shard_module "
+                    "(shard_module(model, persist_numel=N) keeps parameters below N elements whole).")
 
 
 _STATE_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> id of the state dict checked

@@ -154,9 +154,8 @@ def shard_module(
                 param._shardtensor_sharded_as = fqn  # so a second model sharing `param` is refused
             owners.append((submodule, name, new))
 
-    handles.append(module.register_forward_pre_hook(
-        _misuse.PickleRefusingHook(_step_begin_hook(gatherer, param_dtype, owners, grad_sync)), with_kwargs=True))
-    handles.append(module.register_load_state_dict_pre_hook(_misuse.refuse_other_ranks_shards))
+    step_begin = _step_begin_hook(module, gatherer, param_dtype, owners, grad_sync)
+    handles.append(module.register_forward_pre_hook(_misuse.PickleRefusingHook(step_begin), with_kwargs=True))
     _hook_loads(module, names, handles)
     attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
@@ -192,10 +191,12 @@ def _precision_policy(policy, param_dtype, reduce_dtype) -> MixedPrecisionPolicy
     return policy
 
 
-def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = (),
+def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = (),
                      grad_sync: Optional[GradSync] = None):
     """Root forward pre-hook: a new gather sequence starts; under mixed precision, floating inputs are cast to
-    ``param_dtype`` so they meet the gathered (cast) weights in one dtype (FSDP2's ``cast_forward_inputs``)."""
+    ``param_dtype`` so they meet the gathered (cast) weights in one dtype (FSDP2's ``cast_forward_inputs``).
+    Its checks also run at a step's first gather where the root's forward is never called (children called
+    directly, a container root): ``Gatherer.step_checks``."""
 
     def cast(x):
         return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -204,15 +205,20 @@ def _step_begin_hook(gatherer: Gatherer, param_dtype: Optional[torch.dtype], own
     known = {id(param) for _, _, param in owners}  # the parameters shard_module placed
     impls = {id(param): param._cdata for _, _, param in owners}  # their C++ tensors, which hold the hooks
 
+    def checks() -> None:
+        _misuse.check_not_moved(owners, gatherer, impls)
+        _misuse.refuse_inside_ddp()
+        _misuse.check_no_new_parameters(root, known)
+        check_materialized(root)  # a meta-device model must go through materialize() first
+        if grad_sync is not None:
+            grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
+            grad_sync.attach_unfrozen()  # parameters frozen at shard_module, trainable now
+
+    gatherer.step_checks = checks
+
     def hook(module, args, kwargs):
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
-            _misuse.check_not_moved(owners, gatherer, impls)
-            _misuse.refuse_inside_ddp()
-            _misuse.check_no_new_parameters(module, known)
-            check_materialized(module)  # a meta-device model must go through materialize() first
-            if grad_sync is not None:
-                grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
-                grad_sync.attach_unfrozen()  # parameters frozen at shard_module, trainable now
+            checks()
             gatherer.step_begin()
         if param_dtype is None:
             return None

@@ -121,6 +121,8 @@ class Gatherer:
         self._backward_end_queued = False  # an end-of-backward callback will start the next step
         self._step_ended = False  # a backward ended: the next gather starts a step (no root forward seen)
         self._steps_marked = False  # someone calls step_begin (the root forward hook): trust it
+        self.step_checks: Optional[Callable[[], None]] = None  # see [Note: step boundaries without a root forward]
+        self._unchecked = True
         self._communicates = False  # a world of one gathers by aliasing: nothing to prefetch or overlap
         self._aliases_shards = False  # ... and with nothing to cast or fetch, acquire() returns the shard itself
         # accounting, read by tests and benchmarks
@@ -195,7 +197,7 @@ class Gatherer:
 
     def step_begin(self) -> None:
         """Called at the root module's forward: a new forward+backward sequence starts."""
-        self._steps_marked = True
+        self._steps_marked, self._unchecked = True, False  # the root hook ran the checks
         self._begin_step()
 
     def _begin_step(self) -> None:
@@ -218,11 +220,12 @@ class Gatherer:
     # are called directly (``model[0](x)``) has no forward, so the backward's end marks it instead: the first
     # gather after a backward begins a step.  Without that the recording would grow by a step's gathers every
     # step, forever, and overlapped mode would never replay (so never prefetch).  A program that only runs
-    # forwards through such children is bounded by ``_MAX_RECORDING_PER_PARAM``.
+    # forwards through such children is bounded by ``_MAX_RECORDING_PER_PARAM``.  The root hook's checks run there too.
     def _note_gather(self) -> None:
-        if self._steps_marked:
-            return
-        if self._step_ended:
+        if self._unchecked and self.step_checks is not None:
+            self._unchecked = False
+            self.step_checks()
+        if self._step_ended and not self._steps_marked:
             self._begin_step()
         if not self._backward_end_queued and torch._C._current_graph_task_id() != -1:  # inside a backward
             self._backward_end_queued = True
@@ -230,7 +233,7 @@ class Gatherer:
 
     def _backward_ended(self) -> None:
         self._backward_end_queued = False
-        self._step_ended = True
+        self._step_ended = self._unchecked = True
 
     @property
     def recorded_order(self) -> list[str]:

@@ -206,23 +206,27 @@ def test_parameters_in_another_order_are_named():
 
 def added_after_sharding(how: str) -> str:
     model = shardtensor.shard_module(_mlp())
-    model(torch.randn(2, 3))
-    if how == "head":
+    model(torch.randn(2, 3)).sum().backward()
+    if how in ("head", "head, children called"):
         model.append(nn.Linear(2, 2))
     elif how == "frozen_head":
         model.append(nn.Linear(2, 2).requires_grad_(False))
     else:
         nn.utils.parametrizations.weight_norm(model[0])
     try:
-        model(torch.randn(2, 3))
+        if how == "head, children called":  # the root's forward never runs
+            model[3](model[2](model[1](model[0](torch.randn(2, 3)))))
+        else:
+            model(torch.randn(2, 3))
     except RuntimeError as exc:
         return str(exc)
     return "no error"
 
 
 def test_parameters_added_or_parametrized_after_sharding_fail_at_the_next_forward():
-    for message in run_on_ranks(2, added_after_sharding, "head"):
-        assert "'3.weight'" in message and "was added after shard_module" in message, message
+    for how in ("head", "head, children called"):
+        for message in run_on_ranks(2, added_after_sharding, how):
+            assert "'3.weight'" in message and "was added after shard_module" in message, (how, message)
     for message in run_on_ranks(2, added_after_sharding, "weight_norm"):
         assert "'0.weight' was removed" in message and "parametrization" in message, message
     assert run_on_ranks(2, added_after_sharding, "frozen_head") == ["no error"] * 2  # nothing to average

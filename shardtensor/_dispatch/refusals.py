@@ -20,11 +20,17 @@ def _describe(func, args, kwargs) -> str:
 
 
 def _refuse(func, args, kwargs, why: str) -> NoReturn:
-    names = ", ".join(repr(p._name or tuple(p.shape)) for p in _written_params(func, args, kwargs))
+    written = _written_params(func, args, kwargs)
+    names = ", ".join(repr(p._name or tuple(p.shape)) for p in written)
+    unreduced = [p for p in written if type(getattr(p, "grad", None)) is torch.Tensor]
     raise ShardedOpError(
         f"{func} would write into ShardedParam {names} but {why}. Running it on a gathered temporary would drop "
         f"the update silently. Fix: use the out-of-place form on the full tensor, update each rank's shard "
         f"through `.to_local()`, or `shardtensor.unshard_module(model)` first. ({_describe(func, args, kwargs)})"
+        + (f" Here {unreduced[0]._name!r}.grad is a full plain tensor: this rank's own gradient, never averaged, "
+           "because the parameter's gradient hook is gone (the model was converted, e.g. model.float() or .to(), "
+           "after shard_module, and its forward was not called to report it). Fix: convert the model before "
+           "shard_module." if unreduced else "")
     )
 
 

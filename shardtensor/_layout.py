@@ -56,8 +56,10 @@ class ShardLayout:
         if _comm.world_size(self.group) != self.world:  # e.g. a shard unpickled in a process of another world
             raise RuntimeError(
                 f"cannot gather a shard of {self.world} ranks (global shape {tuple(self.shape)}) in a process group "
-                f"of {_comm.world_size(self.group)}: it was saved or built in another world. Load it with "
-                "shardtensor.checkpoint_files.load_shards into a model sharded over the same world size."
+                f"of {_comm.world_size(self.group)}: it was saved or built in another world (a sharded model's "
+                "state_dict() holds each rank's own rows). Fix: for a plain model, save "
+                "shardtensor.full_state_dict(model, rank0_only=True) (called on every rank); for a sharded one, "
+                "shardtensor.save_checkpoint / load_checkpoint (any world size)."
             )
         if self.world > 1 and _comm.rank(self.group) != self.rank:  # e.g. rank 0's torch.save loaded on rank 1
             raise RuntimeError(

@@ -28,6 +28,19 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "foreign_shard_refusal_not_shared": Mutation(
+        "shardtensor/_agreement.py", "differing",
+        "    if bool(everyone[:, 0].any()):", "    if False:",
+        ("tests/test_misuse.py::test_state_dict_saved_on_rank0_is_refused_on_every_rank_before_anything_is_copied",)),
+    "step_checks_only_at_the_root_forward": Mutation(
+        "shardtensor/gather.py", "_note_gather",
+        "        if self._unchecked and self.step_checks is not None:", "        if False:",
+        ("tests/test_reliability.py::test_parameters_added_or_parametrized_after_sharding_fail_at_the_next_forward",
+         "tests/test_misuse.py::test_a_layer_unfrozen_after_shard_module_trains_like_the_unsharded_one")),
+    "adafactor_not_refused": Mutation(
+        "shardtensor/_misuse_optim.py", "_refuse_optimizer_built_first",
+        "    if isinstance(optimizer, torch.optim.Adafactor):", "    if False:",
+        ("tests/test_misuse.py::test_adafactor_on_sharded_matrices_is_refused_before_any_update",)),
     "given_up_work_released": Mutation(
         "shardtensor/_comm_work.py", "keep_past_exit",
         "    ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))", "    pass",

@@ -132,15 +132,36 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     done, and a load on one rank only waiting at every parameter)."""
     if root:
         _AGREED.clear()
-    items, refusal = [], ""
+    items, refusal = [], _bad_values(module, state_dict, prefix) if root else ""
     for name, param in params.items():
         value = state_dict.get(prefix + name)
         if (is_plain(value) or hasattr(value, "_layout")) and tuple(value.shape) == tuple(param.shape):
             items.append((param._name or name, param, value))  # the message names it as the model does
             refusal = refusal or _other_ranks_shard(prefix + name, value)
+    if refusal and not items:
+        raise ValueError(refusal)
     refuse_differing(items, "load_state_dict", refusal)
     for _, _, value in items:
         _AGREED[id(value)] = weakref.ref(value)
+
+
+def _bad_values(module, state_dict: dict, prefix: str) -> str:
+    """What torch's ``load_state_dict`` would raise only after copying every other tensor (a load left half
+    done, on every rank): a shape that differs, a value that is not a tensor.  Found here, before the first
+    copy.  (Missing and unexpected keys are errors only under ``strict=True``, which torch does not tell hooks:
+    ``shardtensor.load_full_state_dict`` checks those first too.)"""
+    expected = {prefix + key: value for key, value in module.state_dict(keep_vars=True).items()}
+    given = {key: value for key, value in state_dict.items() if key.startswith(prefix)}
+    problems = [f"{key!r}: shape {tuple(given[key].shape)} in the state dict, {tuple(value.shape)} in the model"
+                for key, value in expected.items() if isinstance(value, torch.Tensor) and key in given
+                and isinstance(given[key], torch.Tensor) and tuple(given[key].shape) != tuple(value.shape)]
+    problems += [f"{key!r} is a {type(given[key]).__name__}, not a tensor" for key, value in expected.items()
+                 if isinstance(value, torch.Tensor) and key in given and not isinstance(given[key], torch.Tensor)]
+    if not problems:
+        return ""
+    return (f"load_state_dict: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + ". Nothing was copied on any rank (torch would raise this after copying every other tensor). Fix: "
+            "load a state dict of this model (sizes as in model.state_dict()).")
 
 
 def _other_ranks_shard(key: str, value) -> str:

@@ -214,7 +214,7 @@ def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[
             grad_sync.finish_pending()  # a backward that raised never ran its end-of-backward callbacks
             grad_sync.attach_unfrozen()  # parameters frozen at shard_module, trainable now
 
-    gatherer.step_checks = checks
+    gatherer.step_checks = _misuse.PickleRefusingHook(checks)  # pickling the model reaches it: named refusal
 
     def hook(module, args, kwargs):
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)

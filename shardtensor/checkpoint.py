@@ -23,6 +23,7 @@ Loads are all-or-nothing: see [Note: all-or-nothing loads] in ``checkpoint_verif
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -223,9 +224,17 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
         _check_replicated(optimizer, state.get(_OPTIM, {}), error, group)
     _dcp(lambda: dcp.save(state, checkpoint_id=os.fspath(path)), "save", path)
     rank, world = _comm.rank(group), _comm.world_size(group)
-    mine = file_records(directory, read_metadata_unverified(directory), rank, world)  # each file hashed once
+    try:
+        mine = file_records(directory, read_metadata_unverified(directory), rank, world)  # each file hashed once
+    except Exception as exc:  # noqa: BLE001 - e.g. a directory that is not shared: every rank must hear of it
+        mine = (f"rank {rank} cannot read the checkpoint it just wrote ({type(exc).__name__}: {str(exc)[:300]}); "
+                "is the directory on a file system every rank shares?")
     files: dict = {}
-    for part in _comm.all_gather_object(mine, group, label="save_checkpoint (collecting checksums)"):
+    parts = _comm.all_gather_object(mine, group, label="save_checkpoint (collecting checksums)")
+    errors = [part for part in parts if isinstance(part, str)]
+    if errors:
+        raise CheckpointError(f"{path}: save_checkpoint: the checkpoint is incomplete: " + " | ".join(errors))
+    for part in parts:
         files.update(part)
     if rank == 0:
         write_sidecar(directory, world, files)
@@ -250,25 +259,29 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     group, directory = _group(module), Path(path)
     _same_path_on_every_rank(path, group, "load_checkpoint")
     fresh = optimizer is not None and not optimizer.state
-    error = ""
-    try:
+    error, metadata = "", None
+    try:  # the files first, agreed by every rank before any rank makes optimizer state (a step, on some ranks)
         metadata = verify(directory, _comm.rank(group), _comm.world_size(group)) if verify_checksums \
             else read_metadata_unverified(directory)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
+        error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
+    _raise_if_any_failed(error, group, "load_checkpoint (exchanging the files' verdicts)")
+    try:
         state = {_MODEL: get_model_state_dict(module)}  # the module's own tensors: dcp.load fills them in place
         if optimizer is not None:
             # A fresh optimizer gets zero state to load into (undone below if the load is refused).
             state[_OPTIM], wrapped = _present_shards(optimizer,
                                                      _optimizer_state_dict(module, optimizer, to_load_into=True))
-            _check_param_groups(metadata, optimizer)
+            _check_param_groups(metadata, optimizer, state[_OPTIM], path)
         _check_against_metadata(metadata, state, strict)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
         error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
-    errors = [e for e in _comm.all_gather_object(error, group, label="load_checkpoint (exchanging verdicts)") if e]
-    if errors:
+    try:
+        _raise_if_any_failed(error, group, "load_checkpoint (exchanging verdicts)")
+    except CheckpointError:
         if fresh:
             optimizer.state.clear()  # the zero state made to load into: the optimizer is as it was
-        reasons = dict.fromkeys(e.removeprefix("load_checkpoint: ") for e in errors)
-        raise CheckpointError("load_checkpoint: nothing was loaded: " + " | ".join(reasons))
+        raise
     _dcp(lambda: dcp.load(state, checkpoint_id=os.fspath(path)), "load", path)
     # The tensors were loaded in place; these put back what DCP replaced instead (non-tensor values, the optimizer's
     # hyper-parameters).  Not strict for the optimizer: a parameter that never had a gradient has no state, in
@@ -279,6 +292,16 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
                                  options=StateDictOptions(strict=False))
 
 
+def _raise_if_any_failed(error: str, group, label: str) -> None:
+    """Exchange each rank's verdict (its error, or ""); any error raises ``CheckpointError`` on every rank."""
+    errors = [e for e in _comm.all_gather_object(error, group, label=label) if e]
+    if errors:
+        what = label.split(" ", 1)[0]
+        reasons = dict.fromkeys(e.removeprefix(f"{what}: ") for e in errors)
+        raise CheckpointError(f"{what}: nothing was {'saved' if what == 'save_checkpoint' else 'loaded'}: "
+                              + " | ".join(reasons))
+
+
 def _same_path_on_every_rank(path, group, what: str) -> None:
     """DCP's own collectives are neither checked nor timed: a save under `if rank == 0:` waited in them for the
     process group's timeout (30 min), and ranks given different directories (a path from the clock) wrote or
@@ -286,19 +309,38 @@ def _same_path_on_every_rank(path, group, what: str) -> None:
     paths = _comm.all_gather_object((os.fspath(path), os.path.abspath(path)), group,
                                     label=f"{what}: every rank of the group must call it, not only rank 0")
     if len({absolute for _, absolute in paths}) > 1:  # ("./ckpt/" and "/work/ckpt" in /work are one directory)
-        paths = [given for given, _ in paths]
-        which = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
+        which = ", ".join(f"rank {r}: {given!r}" + (f" (= {absolute!r})" if given != absolute else "")
+                          for r, (given, absolute) in enumerate(paths))
         raise ValueError(f"{what}: the ranks passed different paths ({which}), but a checkpoint is one directory "
                          "that every rank writes and reads. Nothing was written or read. Fix: derive the path "
                          "from something every rank shares (the step number), not the clock or the rank.")
 
 
-def _check_param_groups(metadata, optimizer: torch.optim.Optimizer) -> None:
+def _check_param_groups(metadata, optimizer: torch.optim.Optimizer, optim_state: dict, path) -> None:
+    """The saved groups must hold the same parameters as the optimizer's: torch maps saved groups onto the
+    optimizer's by parameter name, and groups split another way (weights and biases saved, layers loaded) left
+    a group with no lr or betas (the next step raised KeyError) or with another group's settings."""
+    import torch.distributed.checkpoint as dcp
+
     prefix = f"{_OPTIM}.param_groups."
     saved = {key[len(prefix):].split(".", 1)[0] for key in metadata.state_dict_metadata if key.startswith(prefix)}
     if saved and len(saved) != len(optimizer.param_groups):
         raise CheckpointError(f"load_checkpoint: the checkpoint has {len(saved)} optimizer param groups, the "
                               f"optimizer {len(optimizer.param_groups)}")
+    if not saved or any(f"{prefix}{i}.params" not in metadata.state_dict_metadata for i in range(len(saved))):
+        return
+    probe = {_OPTIM: {"param_groups": [{"params": []} for _ in saved]}}  # the names only: a few bytes per group
+    with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process" (it is)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(probe, checkpoint_id=os.fspath(path), no_dist=True)
+    for index, (old, new) in enumerate(zip(probe[_OPTIM]["param_groups"], optim_state["param_groups"])):
+        if set(old["params"]) != set(new["params"]):
+            differ = sorted(set(old["params"]) ^ set(new["params"]))
+            raise CheckpointError(
+                f"load_checkpoint: optimizer param group {index} holds other parameters than when it was saved "
+                f"({len(old['params'])} saved, {len(new['params'])} now; e.g. {differ[:3]}), so the saved groups' "
+                "settings and state would land on other parameters. Fix: build the optimizer's param groups as "
+                "they were when the checkpoint was saved (the same parameters in each, in the same order of groups).")
 
 
 def _check_against_metadata(metadata, state: dict, strict: bool) -> None:

@@ -93,7 +93,7 @@ def write_sidecar(directory: Path, world: int, files: dict[str, dict]) -> None:
 
 
 def read_metadata_unverified(directory: Path):
-    """DCP's metadata without checksums (``verify=False``); a parse failure still names the file."""
+    """DCP's metadata without checksums (``verify_checksums=False``); a parse failure still names the file."""
     path = directory / METADATA
     try:
         return pickle.loads(path.read_bytes())
@@ -106,7 +106,7 @@ def _read_sidecar(directory: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(
             f"{path}: missing, so the checkpoint cannot be verified (it was not written by shardtensor."
-            "save_checkpoint, or the file was lost). Fix: pass verify=False to load_checkpoint to load it unverified.")
+            "save_checkpoint, or the file was lost). Fix: pass verify_checksums=False to load_checkpoint to load it unverified.")
     try:
         record = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as exc:

@@ -190,12 +190,14 @@ def _bit_equal(a: dict, b: dict) -> bool:
                         all(torch.equal(a["optim"][n][k], b["optim"][n][k]) for k in a["optim"][n]) for n in a["optim"])
 
 
-def damaged_load_case(path: str, seed: int) -> dict:
-    """Load into a trained model and optimizer (other values): either everything equals the saved state, or a
-    named Exception and nothing changed."""
+def damaged_load_case(path: str, seed: int, fresh: bool = False, then: str = "") -> dict:
+    """Load into a trained model and optimizer (other values; ``fresh``: an optimizer that never stepped, as on
+    resume): either everything equals the saved state, or a named Exception and nothing changed.  ``then``: a
+    good checkpoint loaded after the failed load."""
     model = shardtensor.shard_module(_model(seed + 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
-    _train(model, opt, 1, seed + 5)
+    if not fresh:
+        _train(model, opt, 1, seed + 5)
     before = _snapshot(model, opt)
     try:
         shardtensor.load_checkpoint(path, model, opt)
@@ -203,6 +205,9 @@ def damaged_load_case(path: str, seed: int) -> dict:
     except BaseException as exc:  # noqa: BLE001 - the test checks it is an Exception
         error = (type(exc).__name__, isinstance(exc, Exception), str(exc))
     after = _snapshot(model, opt)
+    if then:  # every rank must still be in step, and the optimizer as it was
+        shardtensor.load_checkpoint(then, model, opt)
+        _train(model, opt, 1, seed + 6)
     return {"error": error, "unchanged": _bit_equal(before, after), "state": after}
 
 
@@ -217,8 +222,8 @@ def _flip(path, position: int, mask: int = 0x40) -> None:
     path.write_bytes(bytes(data))
 
 
-def _check_damaged_load(path: str, reference: dict) -> list:
-    results = run_on_ranks(2, damaged_load_case, path, 3)
+def _check_damaged_load(path: str, reference: dict, fresh: bool = False, then: str = "") -> list:
+    results = run_on_ranks(2, damaged_load_case, path, 3, fresh, then)
     for r in results:
         if r["error"] is None:
             assert _bit_equal(r["state"], reference)
@@ -256,6 +261,11 @@ def test_damaged_dcp_checkpoint_is_named_on_every_rank_and_changes_nothing(tmp_p
     errors = _check_damaged_load(str(path), reference)
     assert all(f"the bytes of {key!r} changed" in e[2] for e in errors), errors
     assert _check_damaged_load(str(clean), reference) == [None, None]  # the undamaged copy loads
+    # On resume the optimizer has no state yet, and loading makes it (a step at lr 0): each rank checks only its
+    # share of the files, so that must wait until every rank's verdict is in (it ran on the ranks whose share
+    # was sound, and the step counts then differed: a DivergenceError, that load and every later one).
+    errors = _check_damaged_load(str(path), reference, fresh=True, then=str(clean))
+    assert all(f"the bytes of {key!r} changed" in e[2] for e in errors), errors
 
 
 _DCP_FILES = ["__0_0.distcp", "__1_0.distcp", ".metadata", "shardtensor.checksums.json"]
@@ -389,3 +399,62 @@ def test_checkpoint_paths_that_differ_between_ranks_are_named_before_anything_is
             assert f"{what}_checkpoint: the ranks passed different paths" in out[what], out
             assert "ckpt-0" in out[what] and "ckpt-1" in out[what], out
         assert out["written"] == [], out
+
+
+def _groups(model, split: str) -> list:
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    if split == "weights, biases":
+        return [{"params": weights}, {"params": biases, "lr": 5e-3}]
+    first = list(model[0].parameters())
+    return [{"params": first}, {"params": [p for p in model.parameters() if all(p is not q for q in first)]}]
+
+
+def regrouped_case(path: str) -> tuple:
+    model = shardtensor.shard_module(_model(0))
+    opt = torch.optim.Adam(_groups(model, "weights, biases"), lr=1e-2)
+    _train(model, opt, 1, 0)
+    shardtensor.save_checkpoint(path, model, opt)
+    fresh = shardtensor.shard_module(_model(1))
+    regrouped = torch.optim.Adam(_groups(fresh, "first layer, rest"), lr=0.5)
+    _train(fresh, regrouped, 1, 1)
+    before = _snapshot(fresh, regrouped)
+    try:
+        shardtensor.load_checkpoint(path, fresh, regrouped)
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    return error, _bit_equal(before, _snapshot(fresh, regrouped))
+
+
+def test_param_groups_that_hold_other_parameters_than_when_saved_are_refused(tmp_path):
+    # Same number of groups, other members: torch mapped both saved groups onto one, and the other lost its lr.
+    for error, unchanged in run_on_ranks(2, regrouped_case, str(tmp_path / "ckpt")):
+        assert "CheckpointError" in error and "param group 0 holds other parameters" in error, error
+        assert unchanged
+
+
+def unshared_directory_case(path: str) -> str:
+    import torch.distributed as dist
+
+    from shardtensor import checkpoint
+
+    model = shardtensor.shard_module(_model(0))
+    original = checkpoint.read_metadata_unverified
+    if dist.get_rank() == 1:  # as if rank 1's directory were another machine's: the metadata is not there
+        def missing(directory):
+            raise shardtensor.checkpoint_files.CheckpointError(f"{directory}/.metadata: missing")
+        checkpoint.read_metadata_unverified = missing
+    try:
+        shardtensor.save_checkpoint(path, model)
+        return "no error"
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoint.read_metadata_unverified = original  # the rank pool's process runs other tests next
+
+
+def test_a_checkpoint_directory_some_rank_cannot_read_back_is_named_on_every_rank(tmp_path):
+    for message in run_on_ranks(2, unshared_directory_case, str(tmp_path / "ckpt")):
+        assert "CheckpointError" in message and "rank 1 cannot read the checkpoint" in message, message
+        assert "shares" in message

@@ -28,6 +28,22 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "file_verdicts_not_agreed_first": Mutation(
+        "shardtensor/checkpoint.py", "load_checkpoint",
+        '''    _raise_if_any_failed(error, group, "load_checkpoint (exchanging the files' verdicts)")''', "    pass",
+        ("tests/test_checkpoint.py::test_damaged_dcp_checkpoint_is_named_on_every_rank_and_changes_nothing",)),
+    "param_group_members_unchecked": Mutation(
+        "shardtensor/checkpoint.py", "_check_param_groups",
+        '''        if set(old["params"]) != set(new["params"]):''', "        if False:",
+        ("tests/test_checkpoint.py::test_param_groups_that_hold_other_parameters_than_when_saved_are_refused",)),
+    "unreadable_save_not_shared": Mutation(
+        "shardtensor/checkpoint.py", "save_checkpoint",
+        "    errors = [part for part in parts if isinstance(part, str)]", "    errors = []",
+        ("tests/test_checkpoint.py::test_a_checkpoint_directory_some_rank_cannot_read_back_is_named_on_every_rank",)),
+    "load_values_unchecked": Mutation(
+        "shardtensor/_agreement.py", "agree_on_load",
+        '''    items, refusal = [], _bad_values(module, state_dict, prefix) if root else ""''', '''    items, refusal = [], ""''',
+        ("tests/test_reliability.py::test_bad_state_dicts_are_refused_before_anything_is_copied",)),
     "foreign_shard_refusal_not_shared": Mutation(
         "shardtensor/_agreement.py", "differing",
         "    if bool(everyone[:, 0].any()):", "    if False:",

@@ -110,12 +110,15 @@ def save_shards(module: nn.Module, directory: PathLike) -> Path:
     rank, world = _comm.rank(group), _comm.world_size(group)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # One id per save, rank 0's, in every manifest: a load of files from two saves (a save into the same directory
+    # cut short on some ranks) is refused, where each file alone is complete and checks out.
+    save_id = _comm.all_gather_object(os.urandom(8).hex(), group, label="save_shards (agreeing on a save id)")[0]
     shard_name, manifest_name = _names(rank, world)
     entries = _entries(module)
     tensors = {key: t.detach().contiguous().cpu().clone() for key, (t, _) in entries.items()}
     records = {key: {**record, "sha256": _tensor_sha256(tensors[key])} for key, (_, record) in entries.items()}
     _write_atomically(directory / shard_name, lambda f: torch.save(tensors, f))
-    manifest = {"format": _FORMAT, "rank": rank, "world": world, "file": shard_name,
+    manifest = {"format": _FORMAT, "rank": rank, "world": world, "save_id": save_id, "file": shard_name,
                 "file_bytes": (directory / shard_name).stat().st_size,
                 "file_sha256": _file_sha256(directory / shard_name), "entries": records}
     manifest["self_sha256"] = _manifest_sha256(manifest)
@@ -127,6 +130,9 @@ def save_shards(module: nn.Module, directory: PathLike) -> Path:
 def _read_manifest(path: Path, rank: int, world: int) -> dict:
     if not path.is_file():
         others = sorted(p.name for p in path.parent.glob("manifest-*.json"))
+        if any(name.endswith(path.name.split("-of-")[-1]) for name in others):
+            raise CheckpointError(f"{path}: missing (the other ranks' manifests of this world size are there: "
+                                  "the save did not complete on this rank, or the file was lost). Save again.")
         raise CheckpointError(f"{path}: no manifest for rank {rank} of {world} ranks (found {others[:4]}). A "
                               "checkpoint saved on another world size needs resharding: shardtensor.checkpoint.")
     try:
@@ -142,8 +148,9 @@ def _read_manifest(path: Path, rank: int, world: int) -> dict:
     return manifest
 
 
-def _verify(module: nn.Module, directory: Path, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Every check, nothing copied: returns key -> tensor to copy, or raises CheckpointError naming the file.
+def _verify(module: nn.Module, directory: Path, rank: int, world: int) -> tuple[dict[str, torch.Tensor], str]:
+    """Every check, nothing copied: returns key -> tensor to copy and the save's id, or raises CheckpointError
+    naming the file.
 
     A manifest whose content does not match its own checksum is reported as damaged, with what the damage
     led to (a renamed key would otherwise read as "keys do not match the model: missing [], unexpected []")."""
@@ -158,7 +165,7 @@ def _verify(module: nn.Module, directory: Path, rank: int, world: int) -> dict[s
         raise CheckpointError(f"{what}. It leads to: {exc}" if damaged else str(exc)) from None
     if damaged:
         raise CheckpointError(what)
-    return loaded
+    return loaded, manifest.get("save_id")
 
 
 def _verify_against(module: nn.Module, directory: Path, manifest: dict, rank: int, world: int) -> dict:
@@ -215,10 +222,15 @@ def load_shards(module: nn.Module, directory: PathLike) -> None:
     rank, world = _comm.rank(group), _comm.world_size(group)
     directory = Path(directory)
     try:
-        loaded, error = _verify(module, directory, rank, world), ""
+        (loaded, save_id), error = _verify(module, directory, rank, world), ""
     except CheckpointError as exc:
-        loaded, error = None, str(exc)
-    errors = [e for e in _comm.all_gather_object(error, group, label="load_shards (exchanging verdicts)") if e]
+        loaded, save_id, error = None, None, str(exc)
+    verdicts = _comm.all_gather_object((error, save_id), group, label="load_shards (exchanging verdicts)")
+    errors = [e for e, _ in verdicts if e]
+    if not errors and len({i for _, i in verdicts}) > 1:
+        saves = ", ".join(f"rank {r}: {i}" for r, (_, i) in enumerate(verdicts))
+        errors = [f"{directory}: the ranks' files come from different saves ({saves}): a save into this directory "
+                  "was cut short on some ranks, or files were copied in from another save. Save again."]
     if errors:
         raise CheckpointError("load_shards: nothing was loaded: " + " | ".join(errors))
     for key, value in module.state_dict().items():

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "save_ids_not_compared": Mutation(
+        "shardtensor/checkpoint_files.py", "load_shards",
+        "    if not errors and len({i for _, i in verdicts}) > 1:", "    if False:",
+        ("tests/test_reliability.py::test_shard_files_of_two_saves_are_refused_on_every_rank",)),
     "file_verdicts_not_agreed_first": Mutation(
         "shardtensor/checkpoint.py", "load_checkpoint",
         '''    _raise_if_any_failed(error, group, "load_checkpoint (exchanging the files' verdicts)")''', "    pass",

@@ -526,6 +526,38 @@ def test_shard_files_round_trip_on_two_ranks(tmp_path):
     assert len(list(tmp_path.glob("manifest-rank*-of-00002.json"))) == 2
 
 
+def mixed_saves_case(root: str) -> tuple:
+    import shutil
+
+    import torch.distributed as dist
+
+    model = shardtensor.shard_module(_mlp(0))
+    save_shards(model, f"{root}/a")
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    save_shards(model, f"{root}/b")
+    dist.barrier()
+    if dist.get_rank() == 1:  # rank 1's pair from the later save: what a re-save cut short on rank 0 leaves
+        for name in ("shards-rank00001-of-00002.pt", "manifest-rank00001-of-00002.json"):
+            shutil.copy(f"{root}/b/{name}", f"{root}/a/{name}")
+    dist.barrier()
+    target = shardtensor.shard_module(_mlp(1))
+    before = shardtensor.full_state_dict(target)
+    try:
+        load_shards(target, f"{root}/a")
+        error = "no error"
+    except CheckpointError as exc:
+        error = str(exc)
+    after = shardtensor.full_state_dict(target)
+    return error, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_shard_files_of_two_saves_are_refused_on_every_rank(tmp_path):
+    # Each file is complete and checks out; together they are a patchwork of two steps' rows.
+    for error, unchanged in run_on_ranks(2, mixed_saves_case, str(tmp_path)):
+        assert "come from different saves" in error and unchanged, error
+
+
 def _saved(tmp_path):
     model = shardtensor.shard_module(_mlp(0))
     save_shards(model, tmp_path)

@@ -262,7 +262,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     error, metadata = "", None
     try:  # the files first, agreed by every rank before any rank makes optimizer state (a step, on some ranks)
         metadata = verify(directory, _comm.rank(group), _comm.world_size(group)) if verify_checksums \
-            else read_metadata_unverified(directory)
+            else read_metadata_unverified(directory, files_present=True)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
         error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
     _raise_if_any_failed(error, group, "load_checkpoint (exchanging the files' verdicts)")

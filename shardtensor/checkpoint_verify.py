@@ -92,13 +92,23 @@ def write_sidecar(directory: Path, world: int, files: dict[str, dict]) -> None:
     os.replace(tmp, directory / SIDECAR)
 
 
-def read_metadata_unverified(directory: Path):
-    """DCP's metadata without checksums (``verify_checksums=False``); a parse failure still names the file."""
+def read_metadata_unverified(directory: Path, *, files_present: bool = False):
+    """DCP's metadata without checksums (``verify_checksums=False``); a parse failure still names the file.
+    ``files_present``: also check that every file it lists is there and long enough, the part of "a failed load
+    changes nothing" that needs no checksums (DCP copies what it can read before it fails on a missing file)."""
     path = directory / METADATA
     try:
-        return pickle.loads(path.read_bytes())
+        metadata = pickle.loads(path.read_bytes())
     except Exception as exc:  # noqa: BLE001 - any failure here is this file's
         raise CheckpointError(f"{path}: damaged or missing DCP metadata ({type(exc).__name__}: {str(exc)[:200]})") from None
+    for info in (getattr(metadata, "storage_data", None) or {}).values() if files_present else ():
+        file = directory / info.relative_path
+        size = file.stat().st_size if file.is_file() else None
+        if size is None or size < int(info.offset) + int(info.length):
+            raise CheckpointError(f"{file}: " + ("checkpoint file missing" if size is None else
+                                  f"truncated: {size} bytes, but DCP's metadata places an item up to byte "
+                                  f"{int(info.offset) + int(info.length)}") + " (not verified: no checksums)")
+    return metadata
 
 
 def _read_sidecar(directory: Path) -> dict:

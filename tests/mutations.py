@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "unverified_files_not_listed": Mutation(
+        "shardtensor/checkpoint.py", "load_checkpoint",
+        "            else read_metadata_unverified(directory, files_present=True)",
+        "            else read_metadata_unverified(directory, files_present=False)",
+        ("tests/test_dcp_state_dict.py::test_an_unverified_load_of_a_checkpoint_missing_a_file_changes_nothing",)),
     "save_ids_not_compared": Mutation(
         "shardtensor/checkpoint_files.py", "load_shards",
         "    if not errors and len({i for _, i in verdicts}) > 1:", "    if False:",

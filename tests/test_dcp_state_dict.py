@@ -81,3 +81,37 @@ def test_torch_get_state_dict_dcp_set_state_dict_round_trip_and_reshard(tmp_path
     for result in run_on_ranks(2, grads_present_case, path):
         _assert_same(result, saved)
         assert result["grads_kept"] and result["fresh_after_save"]
+
+
+def unverified_damaged_case(path: str) -> tuple:
+    model = shardtensor.shard_module(_model(1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    before = _snapshot(model, opt)
+    try:
+        shardtensor.load_checkpoint(path, model, opt, verify_checksums=False)
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    after = _snapshot(model, opt)
+    same = all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"]) and all(
+        torch.equal(before["optim"][n][k], after["optim"][n][k]) for n in before["optim"] for k in before["optim"][n])
+    return error, same
+
+
+def test_an_unverified_load_of_a_checkpoint_missing_a_file_changes_nothing(tmp_path):
+    # No checksums to compare, but DCP's metadata lists every file and where its items end: DCP itself copied
+    # what it could read, then failed on the missing file (every parameter changed, the moments on one rank).
+    import shutil
+
+    path = tmp_path / "ckpt"
+    run_on_ranks(2, torch_recipe_case, str(path), "save")
+    for damage in ("delete", "truncate"):
+        damaged = tmp_path / damage
+        shutil.copytree(path, damaged)
+        data = damaged / "__1_0.distcp"
+        data.unlink() if damage == "delete" else data.write_bytes(data.read_bytes()[:-100])
+        for error, unchanged in run_on_ranks(2, unverified_damaged_case, str(damaged)):
+            assert "CheckpointError" in error and "__1_0.distcp" in error and "nothing was loaded" in error, error
+            assert unchanged, damage

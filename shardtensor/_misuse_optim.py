@@ -101,6 +101,8 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
     first step after ``load_state_dict`` (which replaces ``optimizer.state``): one id comparison per step else."""
     if _STATE_SEEN.get(optimizer) == id(optimizer.state):
         return
+    if optimizer not in _STATE_SEEN:  # the id alone is not enough: the replaced state's id is often reused
+        optimizer.register_load_state_dict_post_hook(_forget_checked_state)
     from ._layout import ShardLayout
     from .tensor import ShardedParam
 
@@ -129,6 +131,13 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
                     "rank with its own file at the same world size, or shardtensor.save_checkpoint(dir, model, opt) "
                     "/ load_checkpoint (any world size).")
     _STATE_SEEN[optimizer] = id(optimizer.state)
+
+
+def _forget_checked_state(optimizer: torch.optim.Optimizer) -> None:
+    """Load post-hook: ``load_state_dict`` put new state in, to be checked at the next step.  (The new state
+    dict often gets the id of the one it replaced, freed a moment before: a hang in the test suite, where one
+    rank skipped the check and gathered inside Adam while the other refused the step.)"""
+    _STATE_SEEN[optimizer] = None
 
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

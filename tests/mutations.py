@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "reloaded_state_known_by_id": Mutation(
+        "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
+        "        optimizer.register_load_state_dict_post_hook(_forget_checked_state)", "        pass",
+        ("tests/test_misuse.py::test_every_load_state_dict_is_checked_at_the_next_step_even_where_the_new_state_reuses_an_id",)),
     "unverified_files_not_listed": Mutation(
         "shardtensor/checkpoint.py", "load_checkpoint",
         "            else read_metadata_unverified(directory, files_present=True)",

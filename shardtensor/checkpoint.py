@@ -333,14 +333,18 @@ def _check_param_groups(metadata, optimizer: torch.optim.Optimizer, optim_state:
     with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process" (it is)
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(probe, checkpoint_id=os.fspath(path), no_dist=True)
-    for index, (old, new) in enumerate(zip(probe[_OPTIM]["param_groups"], optim_state["param_groups"])):
-        if set(old["params"]) != set(new["params"]):
-            differ = sorted(set(old["params"]) ^ set(new["params"]))
+    saved_group_of = {name: i for i, group in enumerate(probe[_OPTIM]["param_groups"]) for name in group["params"]}
+    taken_by: dict = {}
+    for index, group in enumerate(optim_state["param_groups"]):
+        sources = sorted({saved_group_of[name] for name in group["params"] if name in saved_group_of})
+        clash = [s for s in sources if taken_by.setdefault(s, index) != index]
+        if len(sources) > 1 or clash:  # parameters the checkpoint lacks are fine: they start fresh
             raise CheckpointError(
-                f"load_checkpoint: optimizer param group {index} holds other parameters than when it was saved "
-                f"({len(old['params'])} saved, {len(new['params'])} now; e.g. {differ[:3]}), so the saved groups' "
-                "settings and state would land on other parameters. Fix: build the optimizer's param groups as "
-                "they were when the checkpoint was saved (the same parameters in each, in the same order of groups).")
+                f"load_checkpoint: optimizer param group {index} holds parameters of saved groups {sources}"
+                + (f", and saved group {clash[0]} also feeds group {taken_by[clash[0]]}" if clash else "")
+                + ", so the saved groups' settings and state would land on other parameters (a group could lose its "
+                "lr). Fix: build the optimizer's param groups as they were when the checkpoint was saved (each "
+                "saved group's parameters in one group, in the same order of groups).")
 
 
 def _check_against_metadata(metadata, state: dict, strict: bool) -> None:

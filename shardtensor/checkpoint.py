@@ -317,9 +317,10 @@ def _same_path_on_every_rank(path, group, what: str) -> None:
 
 
 def _check_param_groups(metadata, optimizer: torch.optim.Optimizer, optim_state: dict, path) -> None:
-    """The saved groups must hold the same parameters as the optimizer's: torch maps saved groups onto the
-    optimizer's by parameter name, and groups split another way (weights and biases saved, layers loaded) left
-    a group with no lr or betas (the next step raised KeyError) or with another group's settings."""
+    """Each optimizer group must take its parameters from at most one saved group, and each saved group feed at
+    most one optimizer group: torch maps saved groups onto the optimizer's by parameter name, and groups split
+    another way (weights and biases saved, layers loaded) left a group with no lr or betas (the next step raised
+    KeyError) or with another group's settings."""
     import torch.distributed.checkpoint as dcp
 
     prefix = f"{_OPTIM}.param_groups."

@@ -22,7 +22,7 @@ def _describe(func, args, kwargs) -> str:
 def _refuse(func, args, kwargs, why: str) -> NoReturn:
     written = _written_params(func, args, kwargs)
     names = ", ".join(repr(p._name or tuple(p.shape)) for p in written)
-    unreduced = [p for p in written if type(getattr(p, "grad", None)) is torch.Tensor]
+    unreduced = [p for p in written if p.is_leaf and type(p.grad) is torch.Tensor]  # (a view's .grad warns)
     raise ShardedOpError(
         f"{func} would write into ShardedParam {names} but {why}. Running it on a gathered temporary would drop "
         f"the update silently. Fix: use the out-of-place form on the full tensor, update each rank's shard "

@@ -62,12 +62,16 @@ class ShardLayout:
                 "shardtensor.save_checkpoint / load_checkpoint (any world size)."
             )
         if self.world > 1 and _comm.rank(self.group) != self.rank:  # e.g. rank 0's torch.save loaded on rank 1
-            raise RuntimeError(
+            message = (
                 f"cannot gather rank {self.rank}'s shard (global shape {tuple(self.shape)}) on rank "
                 f"{_comm.rank(self.group)}: it was saved by another rank (model.state_dict() of a sharded model holds "
                 "that rank's rows only), and this rank would gather alone. Fix: shardtensor.save_checkpoint / "
-                "load_checkpoint, or shardtensor.full_state_dict(model, rank0_only=True) for full tensors."
-            )
+                "load_checkpoint, or shardtensor.full_state_dict(model, rank0_only=True) for full tensors.")
+            try:  # the saving rank's gather of its own shard waits in the identity check: a record it cannot match
+                _comm._check("refused gather", local, self.group, f"gather refused: rank {self.rank}'s saved shard")
+            except _comm.CollectiveError as exc:  # (a DivergenceError there, naming this rank's refusal)
+                raise RuntimeError(message) from exc
+            raise RuntimeError(message)
         return _comm.all_gather_rows(local, self.group, async_op=async_op)
 
     def gather_numel(self) -> int:

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "foreign_gather_refused_alone": Mutation(
+        "shardtensor/_layout.py", "gather",
+        '''                _comm._check("refused gather", local, self.group, f"gather refused: rank {self.rank}'s saved shard")''',
+        "                pass",
+        ("tests/test_misuse.py::test_state_dict_saved_on_rank0_into_a_plain_model_is_named_on_every_rank_at_once",)),
     "reloaded_state_known_by_id": Mutation(
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
         "        optimizer.register_load_state_dict_post_hook(_forget_checked_state)", "        pass",

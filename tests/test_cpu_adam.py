@@ -6,7 +6,6 @@ a real backward; the reference is ``torch.optim.AdamW`` (+ ``clip_grad_norm_``) 
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest

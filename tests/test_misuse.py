@@ -307,6 +307,29 @@ def test_state_dict_saved_on_rank0_is_refused_on_every_rank_before_anything_is_c
     assert "rank 0's shard" in sub_message and "save_checkpoint" in sub_message, sub_message
 
 
+def rank0_state_dict_into_plain_case(path: str) -> str:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    saved = shardtensor.shard_module(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)))
+    if dist.get_rank() == 0:
+        torch.save(saved.state_dict(), path)  # rank 0's shards only
+    dist.barrier()
+    plain = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))  # for evaluation, on every rank
+    message = _error_of(lambda: plain.load_state_dict(torch.load(path, weights_only=True)))
+    dist.barrier()  # every rank is out, in step
+    return message
+
+
+def test_state_dict_saved_on_rank0_into_a_plain_model_is_named_on_every_rank_at_once(tmp_path):
+    # Rank 0 could gather its own shards and waited for a rank that had refused (until that rank exited, or the
+    # collective timeout): the refusing rank now takes part in the gather's identity check with a record that
+    # cannot match, so rank 0 raises at once, naming it.
+    rank0, rank1 = run_on_ranks(2, rank0_state_dict_into_plain_case, str(tmp_path / "model.pt"), timeout=60)
+    assert "gather refused: rank 0" in rank0 and "ranks diverged" in rank0, rank0
+    assert "saved by another rank" in rank1 and "save_checkpoint" in rank1, rank1
+
+
 def _hook_returns_full_case() -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))

@@ -132,7 +132,7 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     done, and a load on one rank only waiting at every parameter)."""
     if root:
         _AGREED.clear()
-    items, refusal = [], _bad_values(module, state_dict, prefix) if root else ""
+    items, refusal = [], ""
     for name, param in params.items():
         value = state_dict.get(prefix + name)
         if (is_plain(value) or hasattr(value, "_layout")) and tuple(value.shape) == tuple(param.shape):
@@ -145,25 +145,6 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
         _AGREED[id(value)] = weakref.ref(value)
 
 
-def _bad_values(module, state_dict: dict, prefix: str) -> str:
-    """What torch's ``load_state_dict`` would raise only after copying every other tensor (a load left half
-    done, on every rank): a shape that differs, a value that is not a tensor.  Found here, before the first
-    copy.  (Missing and unexpected keys are errors only under ``strict=True``, which torch does not tell hooks:
-    ``shardtensor.load_full_state_dict`` checks those first too.)"""
-    expected = {prefix + key: value for key, value in module.state_dict(keep_vars=True).items()}
-    given = {key: value for key, value in state_dict.items() if key.startswith(prefix)}
-    problems = [f"{key!r}: shape {tuple(given[key].shape)} in the state dict, {tuple(value.shape)} in the model"
-                for key, value in expected.items() if isinstance(value, torch.Tensor) and key in given
-                and isinstance(given[key], torch.Tensor) and tuple(given[key].shape) != tuple(value.shape)]
-    problems += [f"{key!r} is a {type(given[key]).__name__}, not a tensor" for key, value in expected.items()
-                 if isinstance(value, torch.Tensor) and key in given and not isinstance(given[key], torch.Tensor)]
-    if not problems:
-        return ""
-    return (f"load_state_dict: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-            + ". Nothing was copied on any rank (torch would raise this after copying every other tensor). Fix: "
-            "load a state dict of this model (sizes as in model.state_dict()).")
-
-
 def _other_ranks_shard(key: str, value) -> str:
     """Why this rank cannot load ``value``, if it is a ShardedParam pickled by another rank: ``torch.save(model.
     state_dict())`` on one rank keeps only that rank's rows.  On the saving rank it would load, and every other
@@ -171,7 +152,7 @@ def _other_ranks_shard(key: str, value) -> str:
     around the load, falling back to a fresh start on some ranks only, was a patchwork of old and new rows)."""
     layout = getattr(value, "_layout", None)
     saved = (getattr(layout, "rank", None), getattr(layout, "world", None))
-    group = getattr(layout, "group", None)
+    group = getattr(layout, "group", None)  # (an unpickled shard has lost its group: the global rank and world)
     here = (_comm.rank(group), _comm.world_size(group)) if _comm.is_distributed() else (0, 1)
     if layout is None or None in saved or saved == here:
         return ""

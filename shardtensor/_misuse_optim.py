@@ -34,7 +34,7 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
     model never changes.  Checked at an optimizer's first step (and again when parameter groups are added),
     before anything is updated; later steps cost one sum over the groups.  (Finding such optimizers at
     ``shard_module`` time needs a scan of every live object, ~0.1-1 s per call: too dear for every model.)"""
-    if isinstance(optimizer, torch.optim.Adafactor):
+    if isinstance(optimizer, torch.optim.Adafactor) or type(optimizer).__name__ == "Adafactor":  # (transformers')
         _refuse_factored_moments(optimizer)
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED.get(optimizer) == count:
@@ -73,7 +73,7 @@ def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
                     "torch.optim.AdamW(model.parameters(), ...): its state is this rank's rows only.")
 
 
-def _refuse_factored_moments(optimizer: torch.optim.Adafactor) -> None:
+def _refuse_factored_moments(optimizer: torch.optim.Optimizer) -> None:
     """Adafactor keeps, per matrix, a row and a column mean of the squared gradient; the column means sum over
     the rows that the ranks split, and its update divides by their mean, neither of which a shard can compute
     alone.  It used to fail deep in its first matrix's update after stepping the vectors before it (a model
@@ -84,7 +84,7 @@ def _refuse_factored_moments(optimizer: torch.optim.Adafactor) -> None:
         for p in group["params"]:
             if isinstance(p, ShardedParam) and p.dim() >= 2 and p.grad is not None:
                 raise TypeError(
-                    f"Adafactor.step(): parameter {p._name!r} {tuple(p.shape)} is sharded by shard_module, and "
+                    f"{type(optimizer).__module__}.Adafactor.step(): parameter {p._name!r} {tuple(p.shape)} is sharded by shard_module, and "
                     "Adafactor's factored second moments (row and column means of a matrix's squared gradient) "
                     "need all of its rows. Nothing was updated. Fix: torch.optim.AdamW (or another torch.optim "
                     "optimizer) on the sharded model, or keep matrices out of shard_module "

@@ -419,10 +419,14 @@ def test_a_layer_unfrozen_after_shard_module_trains_like_the_unsharded_one():
     assert max(run_on_ranks(2, unfreeze_case, 0, False, True)) < 1e-12  # children called, not the root
 
 
-def _adafactor_case() -> tuple:
+def _adafactor_case(hf: bool = False) -> tuple:
     torch.manual_seed(0)
     model = shardtensor.shard_module(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 4)))
-    opt = torch.optim.Adafactor(model.parameters(), lr=0.1)
+    if hf:
+        from transformers.optimization import Adafactor
+        opt = Adafactor(model.parameters(), lr=0.1, relative_step=False, scale_parameter=False)
+    else:
+        opt = torch.optim.Adafactor(model.parameters(), lr=0.1)
     model(torch.randn(3, 6)).square().sum().backward()
     before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
     message = _error_of(opt.step)
@@ -432,9 +436,10 @@ def _adafactor_case() -> tuple:
 
 def test_adafactor_on_sharded_matrices_is_refused_before_any_update():
     # Its factored moments need whole matrices; it used to step the LayerNorm, then fail inside the Linear.
-    for message, unchanged, states in run_on_ranks(2, _adafactor_case):
-        assert "TypeError" in message and "Adafactor" in message and "'1.weight'" in message, message
-        assert "Nothing was updated" in message and unchanged and states == 0
+    for hf in (False, True):  # torch's, and transformers' (which stepped the LayerNorm, then failed)
+        for message, unchanged, states in run_on_ranks(2, _adafactor_case, hf):
+            assert "TypeError" in message and "Adafactor" in message and "'1.weight'" in message, message
+            assert "Nothing was updated" in message and unchanged and states == 0
 
 
 # ------------------------------------------------------------------------ optimizer state from another rank's file

@@ -267,14 +267,6 @@ def test_bad_state_dicts_are_refused_before_anything_is_copied():
             shardtensor.load_full_state_dict(model, state)
         for key, value in shardtensor.full_state_dict(model).items():
             assert torch.equal(value, before[key]), f"{pattern}: {key} changed by a refused load"
-    # torch's own load_state_dict raised these only after copying every other tensor: refused first.
-    by_torch = {r"'0\.weight': shape \(4, 3\)": cases[r"'0\.weight' has shape \(4, 3\)"],
-                r"'0\.bias' is a list": cases[r"'0\.bias' is a list"]}
-    for pattern, state in by_torch.items():
-        with pytest.raises(ValueError, match=pattern + ".*Nothing was copied"):
-            model.load_state_dict(state)
-        for key, value in shardtensor.full_state_dict(model).items():
-            assert torch.equal(value, before[key]), f"{pattern}: {key} changed by a refused load_state_dict"
     model.load_state_dict({k: v for k, v in good.items() if k != "2.bias"}, strict=False)  # strict=False: loads
     assert torch.equal(shardtensor.full_state_dict(model)["0.weight"], good["0.weight"])
 

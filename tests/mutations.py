@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "unreduced_grad_not_explained": Mutation(
+        "shardtensor/_dispatch/refusals.py", "_refuse",
+        "    unreduced = [p for p in written if p.is_leaf and type(p.grad) is torch.Tensor]", "    unreduced = []",
+        ("tests/test_misuse.py::test_a_step_on_a_gradient_that_was_never_averaged_says_why",)),
     "foreign_gather_refused_alone": Mutation(
         "shardtensor/_layout.py", "gather",
         '''                _comm._check("refused gather", local, self.group, f"gather refused: rank {self.rank}'s saved shard")''',

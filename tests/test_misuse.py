@@ -330,6 +330,21 @@ def test_state_dict_saved_on_rank0_into_a_plain_model_is_named_on_every_rank_at_
     assert "saved by another rank" in rank1 and "save_checkpoint" in rank1, rank1
 
 
+def converted_then_children_case() -> str:
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)).double())
+    model.float()  # a real conversion: the parameters leave the gather schedule, and their gradient hooks go
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model[1](model[0](torch.randn(3, 4))).sum().backward()  # children called: the root's forward never runs
+    return _error_of(opt.step)
+
+
+def test_a_step_on_a_gradient_that_was_never_averaged_says_why():
+    for message in run_on_ranks(2, converted_then_children_case):
+        assert "ShardedOpError" in message and ".grad is a full plain tensor" in message, message
+        assert "never averaged" in message and "convert the model before shard_module" in message, message
+
+
 def _hook_returns_full_case() -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))

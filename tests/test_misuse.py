@@ -269,7 +269,8 @@ def test_parameter_used_only_in_a_deferred_micro_batch_gets_its_gradient():
 
 
 # ------------------------------------------------------------- DDP's checkpoint habit: rank 0 saves state_dict()
-def rank0_state_dict_case(path: str) -> tuple:
+def _rank0_saves_its_state_dict(path: str) -> nn.Module:
+    """DDP's habit: ``torch.save(model.state_dict())`` on rank 0 only, of a sharded model (rank 0's shards)."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -277,6 +278,13 @@ def rank0_state_dict_case(path: str) -> tuple:
     if dist.get_rank() == 0:
         torch.save(saved.state_dict(), path)  # rank 0's shards only
     dist.barrier()
+    return saved
+
+
+def rank0_state_dict_case(path: str) -> tuple:
+    import torch.distributed as dist
+
+    saved = _rank0_saves_its_state_dict(path)
     torch.manual_seed(1)
     fresh = shardtensor.shard_module(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)))
     before = {k: v.to_local().clone() for k, v in fresh.state_dict().items()}
@@ -310,11 +318,7 @@ def test_state_dict_saved_on_rank0_is_refused_on_every_rank_before_anything_is_c
 def rank0_state_dict_into_plain_case(path: str) -> str:
     import torch.distributed as dist
 
-    torch.manual_seed(0)
-    saved = shardtensor.shard_module(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)))
-    if dist.get_rank() == 0:
-        torch.save(saved.state_dict(), path)  # rank 0's shards only
-    dist.barrier()
+    _rank0_saves_its_state_dict(path)
     plain = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))  # for evaluation, on every rank
     message = _error_of(lambda: plain.load_state_dict(torch.load(path, weights_only=True)))
     dist.barrier()  # every rank is out, in step

@@ -120,7 +120,8 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
                     if saved == here and value._layout.shape == p._layout.shape:
                         continue
                     what = f"rank {saved[0]}'s rows of a {saved[1]}-rank run"
-                elif type(p._layout) is ShardLayout and here[1] > 1 and value.shape == p.shape:
+                elif (type(p._layout) is ShardLayout and here[1] > 1 and value.shape == p.shape
+                      and value.shape != p._layout.local_shape()):  # one row: a shard and the whole look alike
                     what = f"a full {type(value).__name__} of shape {tuple(value.shape)} (an unsharded run's)"
                 else:  # an optimizer's own per-rank layout (CPUAdam's host shards, Muon's owned tensors)
                     continue

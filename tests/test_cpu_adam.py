@@ -469,17 +469,35 @@ def test_speculation_phases_are_asserted_and_a_state_store_is_the_seam():
         run.opt.close()
 
 
+class _ScaleAndValueHead(nn.Module):
+    """A replicated 0-d parameter (its gradient a plain tensor in ``clip_grad_norm_``'s list) and a one-row
+    weight (each rank's padded shard has the full tensor's shape)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.value = nn.Linear(width, 1)
+
+    def forward(self, h):
+        return h * (self.scale + self.value(h))  # a product: a value added to every logit has no gradient
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _user_clip_case(gather: str) -> dict:
     """The README's loop with CPUAdam: ``clip_grad_norm_`` by hand after backward, then ``opt.step()``.  The
     speculative steps taken during backward used the unclipped gradients; the clip must be seen and the steps
-    redone.  Reference: the same sharded model under torch's AdamW."""
+    redone, the replicated 0-d parameter's too.  Reference: the same sharded model under torch's AdamW."""
     from shardtensor import shard_module
     from shardtensor.optim import CPUAdam
 
     runs = []
     for make_opt in (lambda ps: CPUAdam(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32))
+        model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32),
+                              _ScaleAndValueHead(32))
         shard_module(model, gather=gather)
         opt = make_opt(list(model.parameters()))
         gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
@@ -490,7 +508,7 @@ def _user_clip_case(gather: str) -> dict:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
             opt.step()
             opt.zero_grad()
-        runs.append(([p.detach().to_local().clone() for p in model.parameters()], norms, opt))
+        runs.append(([_local_of(p.detach()).clone() for p in model.parameters()], norms, opt))
     (mine, norms, opt), (ref, _, _) = runs
     out = dict(diff=max((a - b).abs().max().item() for a, b in zip(mine, ref)), norms=norms,
                speculated=opt.stats.speculated_params)
@@ -509,16 +527,19 @@ def test_speculative_steps_see_a_clip_grad_norm_done_by_hand(gather):
 def _local_versions_case() -> list:
     from shardtensor import shard_module
 
-    model = shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+    model = shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2), _ScaleAndValueHead(2)))
     model(torch.randn(3, 4)).sum().backward()
     grads = [p.grad for p in model.parameters()]
+    plain = model[2].scale.grad  # replicated: a plain tensor beside the shards in a foreach list
     seen = []
-    for write in (lambda: grads[0].mul_(0.5), lambda: torch._foreach_mul_(grads, 0.5),
-                  lambda: grads[0].copy_(grads[0] * 2),
-                  lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)):
-        before = grads[0].to_local()._version
+    for write, writes_plain in ((lambda: grads[0].mul_(0.5), False), (lambda: torch._foreach_mul_(grads, 0.5), True),
+                                (lambda: grads[0].copy_(grads[0] * 2), False),
+                                (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3), True)):
+        before, plain_before = grads[0].to_local()._version, plain._version
         write()
         seen.append(grads[0].to_local()._version > before)
+        if writes_plain:
+            seen.append(plain._version > plain_before)
     return seen
 
 

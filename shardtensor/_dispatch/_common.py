@@ -7,7 +7,7 @@ overload, then its packet, then the families in the order they were declared, th
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -108,8 +108,19 @@ def _written_params(func, args, kwargs) -> list[ShardedParam]:
     return written
 
 
-def _mark_written(params) -> None:
-    """Bump the version counter of each written shard's local tensor.
+def _written_plain_tensors(func, args, kwargs) -> list[torch.Tensor]:
+    """The plain tensors ``func`` writes into beside shards (a replicated 0-d parameter's gradient in
+    ``clip_grad_norm_``'s ``_foreach_mul_`` list): written below autograd's version bump, like the shards."""
+    written = []
+    for position, name in _written_args(func):
+        value = args[position] if position < len(args) else kwargs.get(name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        written += [t for t in values if type(t) in (torch.Tensor, torch.nn.Parameter)]
+    return written
+
+
+def _mark_written(params, plain: Sequence[torch.Tensor] = ()) -> None:
+    """Bump the version counter of each written shard's local tensor (and of each written ``plain`` tensor).
 
     [Note: writes through the wrapper are versioned on the shard]
     Inside ``__torch_dispatch__`` an in-place op on ``_local`` runs below autograd's ADInplaceOrView layer, so it
@@ -119,6 +130,7 @@ def _mark_written(params) -> None:
     counter, so every write through the wrapper bumps it here.
     """
     locals_ = [p._local for p in params if type(p._local) is torch.Tensor]  # not fake shards under torch.compile
+    locals_ += plain
     if locals_:
         torch._C._increment_version(locals_)  # a list: one call (inference tensors, with no counter, are skipped)
 

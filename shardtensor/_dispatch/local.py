@@ -22,7 +22,7 @@ from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
 from ._common import (
     _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
-    _params_in, _to_local, _wrap_like, _written_args, _written_params, aten, implements,
+    _params_in, _to_local, _wrap_like, _written_args, _written_params, _written_plain_tensors, aten, implements,
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse
@@ -80,7 +80,8 @@ def _foreach_local(func, args, kwargs):
             _refuse(func, args, kwargs, f"a keyword tensor of shape {tuple(value.shape)} is not a scalar")
     out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
     written = _written_params(func, args, kwargs)
-    _mark_written(written)  # see [Note: writes through the wrapper are versioned on the shard]
+    # see [Note: writes through the wrapper are versioned on the shard]
+    _mark_written(written, _written_plain_tensors(func, args, kwargs))
     if out is None or written and not isinstance(out, (list, tuple)):
         return out
     first = args[0]

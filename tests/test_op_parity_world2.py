@@ -4,6 +4,8 @@ of odd dim 0 (rank 1's shard is padded) and must give the plain tensor's values 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,3 +108,53 @@ def test_embedding_max_norm_is_refused_with_the_fix():
     emb = shardtensor.shard_module(nn.Embedding(5, 3, max_norm=1.0))
     with pytest.raises(ShardedOpError, match=r"max_norm.*'weight'.*Fix: drop max_norm"):
         emb(torch.tensor([0, 1]))
+
+
+# ------------------------------------------------------------------------ foreach reductions (one value per tensor)
+_FOREACH_REDUCTIONS = {
+    "norm2": lambda ts: torch._foreach_norm(ts, 2.0),
+    "norm1": lambda ts: torch._foreach_norm(ts, 1.0),
+    "norm3_f64": lambda ts: torch._foreach_norm(ts, 3.0, dtype=torch.float64),
+    "norm_inf": lambda ts: torch._foreach_norm(ts, float("inf")),
+    "powsum2": lambda ts: torch._foreach_powsum(ts, 2),
+    "powsum3_f64": lambda ts: torch._foreach_powsum(ts, 3, dtype=torch.float64),
+    "max": lambda ts: torch._foreach_max(ts),
+    "max_out": lambda ts: _out_form(torch.ops.aten._foreach_max.out, ts),
+    "powsum_out": lambda ts: _out_form(torch.ops.aten._foreach_powsum.Scalar_out, ts, 2),
+}
+
+
+def _out_form(op, ts, *args):
+    outs = [torch.empty((), dtype=t.dtype) for t in ts]
+    op(ts, *args, out=outs)
+    return outs
+
+
+def run_foreach_reductions(shapes: list, seed: int, nan_at: int) -> dict:
+    """Each reduction of a list mixing shards (the last one seen through ``.t()``) and a plain tensor equals the
+    plain list's: a plain 0-d tensor per entry, the value over the whole tensor, on every rank."""
+    from shardtensor import ShardedParam
+
+    gen = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(*shape, generator=gen) - 0.5 for shape in shapes]  # float32: dtype= may widen
+    if nan_at >= 0:
+        fulls[0].view(-1)[nan_at % fulls[0].numel()] = float("nan")
+    plain = torch.randn(3, generator=gen)
+    sharded = [ShardedParam.from_full(f, name=f"p{i}") for i, f in enumerate(fulls)]
+    out = {}
+    for name, fn in _FOREACH_REDUCTIONS.items():
+        want = fn([*fulls[:-1], fulls[-1].t(), plain])
+        got = fn([*sharded[:-1], sharded[-1].t(), plain])
+        out[name] = [(type(g).__name__, tuple(g.shape), g.dtype == w.dtype,
+                      bool(torch.allclose(g, w, rtol=1e-5, atol=0, equal_nan=True))) for g, w in zip(got, want)]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@settings(max_examples=3, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 7), st.integers(1, 4)), min_size=2, max_size=3),
+       seed=st.integers(0, 2**16), nan_at=st.integers(-20, 20))
+def test_foreach_reductions_give_the_whole_tensors_value_on_every_rank(world, shapes, seed, nan_at):
+    for rank, out in enumerate(run_on_ranks(world, run_foreach_reductions, shapes, seed, nan_at)):
+        for name, entries in out.items():
+            assert entries == [("Tensor", (), True, True)] * (len(shapes) + 1), (rank, name, shapes, entries)

@@ -111,31 +111,75 @@ def _vector_norm(func, args, kwargs):
     return _p_norm_finish(_reduce_partials(partial, [self._layout.group], _norm_reduce_op(ord))[0], ord)
 
 
-@implements(aten._foreach_norm.Scalar)
-def _foreach_norm(func, args, kwargs):
-    """``clip_grad_norm_``'s default path: one all-reduce for the whole list, not one per tensor."""
-    tensors = args[0]
-    ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+def _foreach_norm_partial(x: torch.Tensor, args, kwargs) -> torch.Tensor:
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    return _p_norm_partial(x if dtype is None else x.to(dtype), _ord_of(args, kwargs))
+
+
+def _foreach_powsum_partial(x: torch.Tensor, args, kwargs) -> torch.Tensor:
+    return torch._foreach_powsum([x], *args[1:], **kwargs)[0]  # torch's own arithmetic on this rank's rows
+
+
+def _foreach_max_partial(x: torch.Tensor, args, kwargs) -> torch.Tensor:
+    return _max_local(x)
+
+
+def _ord_of(args, kwargs) -> float:
+    return float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+
+
+# op, partial, finish: the reduction across ranks of one value per tensor (the partials are float64)
+_FOREACH_REDUCTIONS = {
+    "_foreach_norm": (lambda a, k: _norm_reduce_op(_ord_of(a, k)), _foreach_norm_partial,
+                      lambda total, a, k: _p_norm_finish(total, _ord_of(a, k))),
+    "_foreach_powsum": (lambda a, k: "sum", _foreach_powsum_partial, lambda total, a, k: total),
+    "_foreach_max": (lambda a, k: "max", _foreach_max_partial, lambda total, a, k: total),
+}
+
+
+@implements([aten._foreach_norm.Scalar, aten._foreach_powsum.Scalar, aten._foreach_max.default])
+def _foreach_reduction(func, args, kwargs):
+    """One value per tensor of the list, each over the whole tensor (``clip_grad_norm_``'s default path is
+    ``_foreach_norm``): one all-reduce for the whole list, not one per tensor."""
+    op_of, partial_of, finish = _FOREACH_REDUCTIONS[func.overloadpacket.__name__]
+    tensors, rest = args[0], args[1:]
+    dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
     out: list = [None] * len(tensors)
     sharded = [(i, t) for i, t in enumerate(tensors) if isinstance(t, ShardedParam)]
     plain = [(i, t) for i, t in enumerate(tensors) if not isinstance(t, ShardedParam)]
     if plain:
-        for (i, _), norm in zip(plain, func([t for _, t in plain], *args[1:], **kwargs)):
-            out[i] = norm
-    if sharded:
-        if not all(_chain_is_bijective(t._views) for _, t in sharded):
-            return [torch.linalg.vector_norm(gather_full(t), ord, dtype=dtype) if isinstance(t, ShardedParam)
-                    else o for t, o in zip(tensors, out)]
-        # float64 for the cross-rank sum: float32 partials would round a float64 model's norm (and cost the
-        # float32 ones nothing measurable: one value per tensor)
-        partials = torch.stack([_p_norm_partial(_valid(t) if dtype is None else _valid(t).to(dtype), ord).double()
-                                for _, t in sharded])
-        _reduce_partials(partials, [t._layout.group for _, t in sharded], _norm_reduce_op(ord))
-        finished = _p_norm_finish(partials, ord)
-        for k, (i, t) in enumerate(sharded):
-            out[i] = finished[k].to(dtype or t.dtype)
+        for (i, _), value in zip(plain, func([t for _, t in plain], *rest, **kwargs)):
+            out[i] = value
+    if not sharded:
+        return out
+    if not all(_chain_is_bijective(t._views) for _, t in sharded) \
+            or any(t.numel() == 0 for _, t in sharded) and func is aten._foreach_max.default:
+        for i, t in sharded:  # a view that is not one element per element (or torch's own error for an empty max)
+            out[i] = func([gather_full(t)], *rest, **kwargs)[0]
+        return out
+    # float64 for the cross-rank reduction: float32 partials would round a float64 model's norm (and cost the
+    # float32 ones nothing measurable: one value per tensor)
+    partials = torch.stack([partial_of(_valid(t), args, kwargs).double().reshape(()) for _, t in sharded])
+    _reduce_partials(partials, [t._layout.group for _, t in sharded], op_of(args, kwargs))
+    finished = finish(partials, args, kwargs)
+    for k, (i, t) in enumerate(sharded):
+        out[i] = finished[k].to(dtype or t.dtype)
     return out
+
+
+@implements([aten._foreach_norm.Scalar_out, aten._foreach_powsum.Scalar_out, aten._foreach_max.out])
+def _foreach_reduction_out(func, args, kwargs):
+    """The ``out=`` forms: the reduction above, copied into ``out`` (plain tensors: a shard cannot hold a
+    whole-tensor value)."""
+    kwargs = dict(kwargs)
+    outs = kwargs.pop("out")
+    if any(isinstance(o, ShardedParam) for o in outs):
+        _refuse(func, args, {**kwargs, "out": outs}, "out= holds a sharded tensor")
+    functional = getattr(aten, func.overloadpacket.__name__)
+    values = _foreach_reduction(functional.default if func is aten._foreach_max.out else functional.Scalar,
+                                args, kwargs)
+    for o, v in zip(outs, values):
+        o.copy_(v)
 
 
 _NO_DIM_ARG = (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.all.default,

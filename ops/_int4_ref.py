@@ -36,7 +36,14 @@ def quantize_rows_ref(
     group_size: int,
     beta: float,
 ) -> None:
-    """Quantize each row of ``x`` (plus ``error``) into ``packed``/``scales``; update ``error`` (LoCo feedback)."""
+    """Quantize each row of ``x`` (plus ``error``) into ``packed``/``scales``; update ``error`` (LoCo feedback).
+
+    [Note: a non-finite group]
+    A group holding an inf/NaN (an overflowed step, which GradScaler or CPUAdam will skip) is sent with a NaN
+    scale, so every rank's reduced gradient is non-finite there whatever the maximum of the hardware drops, and
+    its error feedback is kept as it was: folding the inf into ``error`` would poison every later step (each
+    would be non-finite and skipped, for good, without a word).
+    """
     rows, cols = x.shape
     n_groups = scales.shape[1]
     padded = n_groups * group_size
@@ -46,7 +53,8 @@ def quantize_rows_ref(
         e = error[:, :padded].float()
         h += e
     hg = h.view(rows, n_groups, group_size)
-    scale = hg.abs().amax(dim=-1) / 7  # (R, G)
+    nonfinite = ~torch.isfinite(hg).all(dim=-1)  # (R, G): see [Note: a non-finite group]
+    scale = (hg.abs().amax(dim=-1) / 7).masked_fill_(nonfinite, float("nan"))  # (R, G)
     nonzero = (scale > 0).unsqueeze(-1)
     safe = torch.where(nonzero, scale.unsqueeze(-1), torch.ones((), device=x.device))
     q = torch.where(nonzero, torch.round(hg / safe), torch.zeros((), device=x.device)).clamp_(-8, 7)
@@ -54,7 +62,8 @@ def quantize_rows_ref(
         d = (q * scale.unsqueeze(-1)).view(rows, padded)
         beta32 = torch.tensor(beta, dtype=torch.float32, device=x.device)
         omb32 = torch.tensor(1.0 - beta, dtype=torch.float32, device=x.device)
-        error[:, :padded] = beta32 * e + omb32 * (h - d)
+        kept = nonfinite.repeat_interleave(group_size, dim=1)
+        error[:, :padded] = torch.where(kept, e, beta32 * e + omb32 * (h - d))
     packed.copy_(_pack_nibbles(q.view(rows, padded))[:, : packed.shape[1]])
     scales.copy_(scale)
 

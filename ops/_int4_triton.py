@@ -40,7 +40,7 @@ def _round_half_even(y):
 def _round_to_bf16(x):
     # fp32 -> the nearest bf16 value (ties to even), still as fp32, so that the cast that follows is exact.
     # Why by hand: the GPU casts with round-to-nearest-even but the interpreter truncates; this agrees on both
-    # and with torch's ``.to(torch.bfloat16)`` (finite values; the error buffer holds no inf/NaN).
+    # and with torch's ``.to(torch.bfloat16)`` (finite values: a non-finite group keeps its old error).
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
@@ -86,9 +86,12 @@ def _quantize_int4_kernel(
         h_lo = h_lo + e_lo
         h_hi = h_hi + e_hi
 
+    # an inf/NaN in the group: a NaN scale and the error kept (see [Note: a non-finite group] in _int4_ref)
+    finite = (tl.abs(h_lo) < float("inf")) & (tl.abs(h_hi) < float("inf"))  # False for inf and NaN
+    nonfinite = tl.min(finite.to(tl.int32), axis=1) == 0  # (BLOCK_G,)
     amax = tl.maximum(tl.max(tl.abs(h_lo), axis=1), tl.max(tl.abs(h_hi), axis=1))  # (BLOCK_G,)
-    scale = tl.math.div_rn(amax, 7.0)
-    nonzero = scale > 0.0  # a zero group keeps scale 0 and q 0, never 0/0
+    scale = tl.where(nonfinite, float("nan"), tl.math.div_rn(amax, 7.0))
+    nonzero = scale > 0.0  # a zero group keeps scale 0 and q 0, never 0/0 (and a NaN scale q 0)
     safe = tl.where(nonzero, scale, 1.0)[:, None]
     q_lo = tl.where(nonzero[:, None], _round_half_even(tl.math.div_rn(h_lo, safe)), 0.0)
     q_hi = tl.where(nonzero[:, None], _round_half_even(tl.math.div_rn(h_hi, safe)), 0.0)
@@ -97,11 +100,13 @@ def _quantize_int4_kernel(
 
     if HAS_ERROR:
         # LoCo: e <- beta * e + (1 - beta) * (h - D(Q(h)))
-        e_lo = beta * e_lo + one_minus_beta * (h_lo - q_lo * scale[:, None])
-        e_hi = beta * e_hi + one_minus_beta * (h_hi - q_hi * scale[:, None])
+        new_lo = beta * e_lo + one_minus_beta * (h_lo - q_lo * scale[:, None])
+        new_hi = beta * e_hi + one_minus_beta * (h_hi - q_hi * scale[:, None])
         if ERROR_BF16:
-            e_lo = _round_to_bf16(e_lo)
-            e_hi = _round_to_bf16(e_hi)
+            new_lo = _round_to_bf16(new_lo)
+            new_hi = _round_to_bf16(new_hi)
+        e_lo = tl.where(nonfinite[:, None], e_lo, new_lo)
+        e_hi = tl.where(nonfinite[:, None], e_hi, new_hi)
         tl.store(err_row + col_lo, e_lo.to(err_ptr.dtype.element_ty), mask=pair_ok)
         tl.store(err_row + col_hi, e_hi.to(err_ptr.dtype.element_ty), mask=pair_ok)
 

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "nonfinite_group_folds_into_error": Mutation(
+        "ops/_int4_ref.py", "quantize_rows_ref",
+        "        error[:, :padded] = torch.where(kept, e, beta32 * e + omb32 * (h - d))",
+        "        error[:, :padded] = beta32 * e + omb32 * (h - d)",
+        ("tests/test_int4_ops.py::test_a_non_finite_group_is_sent_as_nan_and_keeps_its_error_feedback",)),
     "foreach_reduction_not_all_reduced": Mutation(
         "shardtensor/_dispatch/reductions.py", "_foreach_reduction",
         "    _reduce_partials(partials, [t._layout.group for _, t in sharded], op_of(args, kwargs))", "    pass",

@@ -157,6 +157,49 @@ def test_fused_error_feedback_step_is_the_loco_update(x, rows, group_size, seed,
         torch.testing.assert_close(error[r, :cols], beta * e0[r, :cols] + (1 - beta) * residual, rtol=1e-6, atol=1e-30)
 
 
+_QUANTIZERS = {"ref": ops.quantize_int4_ef_ref, "triton": ops.quantize_int4_ef_triton}
+
+
+@SETTINGS
+@given(
+    x=gradients(max_numel=300), rows=st.integers(1, 3), group_size=GROUP_SIZES, seed=st.integers(0, 2**31 - 1),
+    bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([float("inf"), float("-inf"), float("nan")])),
+                 min_size=1, max_size=4),
+    impl=st.sampled_from(["ref", "triton"] if _can_run_triton else ["ref"]),
+)  # fmt: skip
+def test_a_non_finite_group_is_sent_as_nan_and_keeps_its_error_feedback(x, rows, group_size, seed, bad, impl):
+    # An overflowed step (skipped by GradScaler or CPUAdam) must not fold its inf into the error buffer: every
+    # later step would be non-finite too.  Its groups go out as NaN (so every rank sees the skip); the other
+    # groups are quantized as if the bad elements were not there.
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.stack([x.roll(r) for r in range(rows)])
+    cols = grad.shape[1]
+    padded = -(-cols // group_size) * group_size
+    error = (torch.randn(rows, padded, generator=gen) * x.abs().max().cpu()).to(DEVICE)
+    error[:, cols:] = 0
+    clean = grad.clone()
+    for position, value in bad:
+        grad.view(-1)[position % grad.numel()] = value
+    broken = ~torch.isfinite(grad)
+    clean[broken] = 0
+    bad_groups = torch.zeros(rows, padded, dtype=torch.bool, device=DEVICE)
+    bad_groups[:, :cols] = broken
+    bad_groups = bad_groups.view(rows, -1, group_size).any(-1)  # (R, G)
+    e0, clean_error = error.clone(), error.clone()
+    got = _QUANTIZERS[impl](grad, error, group_size, 0.8)
+    want = _QUANTIZERS[impl](clean, clean_error, group_size, 0.8)
+    assert torch.isfinite(error).all()
+    per_group = lambda t: t.view(rows, -1, group_size)  # noqa: E731
+    assert torch.equal(per_group(error)[bad_groups], per_group(e0)[bad_groups])
+    assert torch.equal(per_group(error)[~bad_groups], per_group(clean_error)[~bad_groups])
+    assert got.scales[bad_groups].isnan().all() and torch.equal(got.scales[~bad_groups], want.scales[~bad_groups])
+    for r in range(rows):
+        values = ops.dequantize_int4(got.packed[r], got.scales[r], cols, group_size)
+        expect = ops.dequantize_int4(want.packed[r], want.scales[r], cols, group_size)
+        in_bad = bad_groups[r].repeat_interleave(group_size)[:cols]
+        assert values[in_bad].isnan().all() and torch.equal(values[~in_bad], expect[~in_bad])
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="even"):
         ops.quantize_int4(torch.ones(4), group_size=3)

@@ -44,6 +44,15 @@ from . import _comm, _comm_rows
 from ._layout import ShardLayout
 from .reduce import ExactReducer
 
+class HeldFull(NamedTuple):
+    """A full tensor a unit gathered (``Gatherer.held``), the version of the shard it came from, and the unit
+    (``_units._Unit.regather``: a write to the shard since makes the tensor stale)."""
+
+    full: torch.Tensor
+    version: int
+    unit: object
+
+
 # A parameter at least this large gathers into, and reduces out of, its own full tensor where the collectives
 # work in place (gloo: see ``_comm_rows``); smaller ones share one flat buffer (one broadcast per rank for all).
 DIRECT_MIN_NUMEL = 1 << 16

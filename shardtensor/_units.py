@@ -5,19 +5,18 @@ Per-op gathers are issued by the ops a rank runs, so a rank whose data decides w
 expert loop that calls only the experts its tokens were routed to) issues other collectives than its peers.
 A unit fixes that as FSDP2 does: its forward pre-hook gathers *all* its parameters (one collective per dtype:
 a flat buffer of the unit's shards, or on gloo each large parameter straight into its full tensor, see
-``_unit_buffers``), whatever the data, and ops inside find them in ``Gatherer.held``; the forward post-hook frees them.  Before the unit's backward (a hook on its outputs' gradients) they are gathered
-again, and after it (a node on its inputs, or the end of backward) they are freed and the unit's gradients
-are reduced together, in a fixed order, with zeros for a parameter this rank produced no gradient for.  A
+``_unit_buffers``), whatever the data, and ops inside find them in ``Gatherer.held`` (gathered again if written
+since: ``regather``); the post-hook frees them.  Before the unit's backward (a hook on its outputs' gradients)
+they are gathered again, and after it (a node on its inputs, or the end of backward) they are freed and the
+unit's gradients are reduced together, in a fixed order, zeros for a parameter this rank gave no gradient; a
 has-gradient flag per parameter travels in the same collective: a parameter no rank produced a gradient for
 keeps ``grad=None``, as in the unsharded model (so AdamW does not decay an expert nobody used).
 
 [Note: unheld gradients]
 A gradient can reach a unit's parameter while the unit is not held for backward: a compiled backward (the unit's
-hooks stand aside while Dynamo traces, and the graph's own all-gathers feed its ops) hands every gradient over
-at its end.  The unit keeps them as in a held backward and reduces them together as soon as every parameter of
-it that requires a gradient has one (or at the end of backward, zeros for the others): one collective per unit
-instead of one per parameter.  Every rank runs the same graph, so every rank reduces the same units in the same
-order.
+hooks stand aside while Dynamo traces; the graph's own all-gathers feed its ops) hands every gradient over at its
+end.  The unit keeps them and reduces them together once every parameter of it that requires a gradient has one
+(or at the end of backward, zeros for the others): one collective per unit, and the same order on every rank.
 
 A parameter shared outside its unit (tied weights) keeps per-op gathers.  Default units: overlapped and auto
 take FSDP2's wrapping (one collective per block and direction, not per parameter); sequential mode (lowest peak)
@@ -37,7 +36,7 @@ from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
 from ._unit_policy import UnitPolicy, select_units  # noqa: F401  (UnitPolicy: re-exported)
-from ._unit_buffers import (FlatGrads, FullsPool, complete_unit_gathers, finish_reductions, flat_dtype,
+from ._unit_buffers import (FlatGrads, FullsPool, HeldFull, complete_unit_gathers, finish_reductions, flat_dtype,
                             issue_unit_gathers, reduce_exact)
 from .tensor import ShardedParam
 
@@ -90,9 +89,17 @@ class _Unit:
             fulls = self._finish(pending)
             self._fulls = [full for bucket in pending[1] for full in bucket.fulls.values()]
             self._held_keys = [id(param._local) for param in self.params]  # ops find their shard by identity
-            self.gatherer.held.update(zip(self._held_keys, fulls))
+            self.gatherer.held.update((k, HeldFull(f, v, self)) for k, f, v in zip(self._held_keys, fulls, pending[2]))
             self.prefetched = None
         self.holds += 1
+
+    def regather(self, param: ShardedParam) -> torch.Tensor:
+        """``param``'s shard was written since the unit gathered it (a weight constraint in the unit's forward, an
+        earlier unit writing into it): gather it again, so later ops see the write, as unsharded ones would."""
+        with _comm.labelled(self._label([[id(p._local) for p in self.params].index(id(param._local))])):
+            full = param._layout.gather(self._shard_for_gather(param)).buffer[: param._layout.shape[0]]
+        self.gatherer.held[id(param._local)] = HeldFull(full, param._local._version, self)
+        return full
 
     def unhold(self) -> None:
         self.holds = max(0, self.holds - 1)
@@ -123,20 +130,20 @@ class _Unit:
 
     def _start(self, *, async_op: bool) -> tuple:
         """Issue the unit's gathers: one collective per (group, dtype), see ``issue_unit_gathers``."""
+        versions = [param._local._version for param in self.params]  # what the gathered data is (see regather)
+        shards = [self._shard_for_gather(param) for param in self.params]
+        self.gatherer.gathers += len(self.params)
+        return shards, issue_unit_gathers(self.params, shards, self._label, async_op, self.pool), versions
+
+    def _shard_for_gather(self, param: ShardedParam) -> torch.Tensor:
         g = self.gatherer
-        shards = []
-        for param in self.params:
-            local = param._local if g.shard_source is None else g.shard_source.shard_for_gather(
-                g._index[id(param._local)], param)
-            if g.param_dtype is not None and local.is_floating_point() and local.dtype != g.param_dtype:
-                local = local.to(g.param_dtype)
-            shards.append(local)
-        g.gathers += len(self.params)
-        return shards, issue_unit_gathers(self.params, shards, self._label, async_op, self.pool)
+        local = param._local if g.shard_source is None else g.shard_source.shard_for_gather(
+            g._index[id(param._local)], param)
+        return local.to(g.param_dtype) if g.param_dtype is not None and local.is_floating_point() else local
 
     def _finish(self, pending: tuple) -> list[torch.Tensor]:
         """Full base tensors of the unit's parameters, once their gathers completed."""
-        shards, issued = pending
+        shards, issued, _ = pending
         out = complete_unit_gathers(self.params, issued)
         for i, param in enumerate(self.params):  # other placements (layer-wise): their own gather, in order
             if out[i] is None:

@@ -132,7 +132,7 @@ class Gatherer:
         self.mismatches = 0
         self.max_alive = 0
         self._alive_refs: list[weakref.ref] = []
-        self.held: dict[int, torch.Tensor] = {}  # id(shard) -> full base gathered by its unit (``_units.py``)
+        self.held: dict = {}  # id(shard) -> ``_unit_buffers.HeldFull``: the full base its unit gathered
 
     # ------------------------------------------------------------------ registration and step boundary
     def _budget(self) -> int:
@@ -250,8 +250,9 @@ class Gatherer:
     def acquire(self, param: ShardedParam) -> torch.Tensor:
         """The full base tensor of ``param`` (views not applied); pair with ``release``."""
         self._note_gather()
-        if self.held and id(param._local) in self.held:  # its unit gathered it: outside the recorded order
-            return self.held[id(param._local)]
+        held = self.held.get(id(param._local)) if self.held else None
+        if held is not None:  # its unit gathered it (``_unit_buffers.HeldFull``): outside the recorded order
+            return held.full if held.version == param._local._version else held.unit.regather(param)
         if self._aliases_shards:  # a world of one: the shard is the full tensor; keep only the order and count
             index = self._index.get(id(param._local))
             if index is not None:

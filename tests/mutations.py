@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "held_full_never_stale": Mutation(
+        "shardtensor/gather.py", "acquire",
+        "            return held.full if held.version == param._local._version else held.unit.regather(param)",
+        "            return held.full",
+        ("tests/test_units.py::test_a_write_into_a_gathered_parameter_during_forward_is_seen_by_the_ops_after_it",)),
     "nonfinite_group_folds_into_error": Mutation(
         "ops/_int4_ref.py", "quantize_rows_ref",
         "        error[:, :padded] = torch.where(kept, e, beta32 * e + omb32 * (h - d))",

@@ -179,3 +179,66 @@ def test_a_block_costs_at_most_two_collectives_per_direction():
     four, eight = (run_on_ranks(2, collectives_per_step, layers)[0] for layers in (4, 8))
     assert eight - four <= 4 * 2 * 2, (four, eight)
     assert four > 0
+
+
+# ------------------------------------------------------------------ writes into held parameters
+class ConstrainedBlock(nn.Module):
+    """A weight constraint applied in forward (a max-norm or a clamp, as some GAN and RL code does), and a write
+    into the next block's weight: each lands in shards a unit gathered before the write.  Each write is idempotent,
+    so the reference may run one forward per rank's batch."""
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.lin, self.write, self.next = nn.Linear(6, 6, dtype=torch.float64), write, None
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.write == "max_norm":
+                self.lin.weight.mul_(min(1.0, 1.5 / float(self.lin.weight.norm())))
+            elif self.write == "clamp":
+                self.lin.weight.clamp_(-0.3, 0.3)
+            elif self.write == "own_row":
+                self.lin.weight[2].zero_()
+            elif self.write == "next_block" and self.next is not None:
+                self.next.lin.weight.clamp_(-0.2, 0.2)
+        return torch.tanh(self.lin(x))
+
+
+def writes_in_forward_case(mode: str, write: str) -> dict:
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[ConstrainedBlock(write) for _ in range(3)])
+    for block, after in zip(reference, reference[1:]):
+        object.__setattr__(block, "next", after)  # a reference, not a child module (deepcopy maps it too)
+    model = copy.deepcopy(reference)
+    shardtensor.shard_module(model, gather=mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(1)
+    outputs = []
+    for _ in range(3):
+        xs = [torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(world)]
+        out = model(xs[rank])
+        want = reference(xs[rank]).detach()
+        outputs.append((out.detach() - want).abs().max().item())
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for x in xs:  # one graph each: the next forward's write would change what this one saved
+            reference(x).square().mean().div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    return {"outputs": max(outputs), "params": max((full[k] - v).abs().max().item()
+                                                   for k, v in reference.state_dict().items())}
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "auto", "sequential"])
+@pytest.mark.parametrize("write", ["max_norm", "clamp", "own_row", "next_block"])
+def test_a_write_into_a_gathered_parameter_during_forward_is_seen_by_the_ops_after_it(mode, write):
+    for rank, diffs in enumerate(run_on_ranks(2, writes_in_forward_case, mode, write, timeout=120)):
+        assert diffs["outputs"] < 1e-12 and diffs["params"] < 1e-9, (rank, diffs)

@@ -102,6 +102,11 @@ class CompressedReducer:
         self._cols_of: dict[str, int] = {}  # key -> unpadded cols of its error buffer
         self._loaded: dict[str, torch.Tensor] = {}  # key -> flat (W * cols,) from load_state_dict, laid out lazily
 
+    @property
+    def keeps_state_per_parameter(self) -> bool:
+        """Error buffers keyed by parameter name: ``shard_module`` refuses one instance for two models."""
+        return self.error_feedback
+
     def __repr__(self) -> str:
         return (
             f"CompressedReducer(bits={self.bits}, group_size={self.group_size}, "

@@ -51,6 +51,24 @@ def refuse_before_sharding(module: nn.Module) -> None:
     _refuse_overlapping_parameters(module)
 
 
+_REDUCERS_IN_USE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # reducer -> weakref(module)
+
+
+def refuse_shared_reducer(reducer, module: nn.Module) -> None:
+    """One reducer with per-parameter state (``CompressedReducer``'s error feedback, keyed by parameter name)
+    passed to two ``shard_module`` calls: the two models' ``'fc1.weight'`` would share one error buffer, each
+    feeding its quantization error into the other's gradients, silently (a GAN, actor and critic)."""
+    if reducer is None or not getattr(reducer, "keeps_state_per_parameter", False):
+        return
+    owner = _REDUCERS_IN_USE.get(reducer, lambda: None)()
+    if owner is not None and owner is not module and hasattr(owner, "_shardtensor"):  # (not unsharded since)
+        raise ValueError(
+            f"shard_module: this {type(reducer).__name__} already reduces another model's gradients, and it keeps "
+            "state per parameter name (error feedback): two models' parameters of the same name would share it. "
+            f"Fix: pass a new {type(reducer).__name__}(...) to each shard_module call.")
+    _REDUCERS_IN_USE[reducer] = weakref.ref(module)
+
+
 def _extent(p: torch.Tensor) -> tuple[int, int]:
     """Byte range [start, end) of ``p`` in its storage."""
     size = p.element_size()

@@ -111,6 +111,7 @@ def shard_module(
     _refuse_uninitialized_parameters(module)
     _refuse_sparse_embeddings(module)
     _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
+    _misuse.refuse_shared_reducer(reducer, module)
     policy = _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel)
     precision = _precision_policy(mixed_precision, param_dtype, reduce_dtype)
     param_dtype, persist_numel = precision.param_dtype, policy.persist_numel

@@ -211,3 +211,34 @@ def test_multi_rank_wire_bytes_are_7x_fewer_than_fp32():
     fp32_bytes = shape[0] * shape[1] * 4  # what a fp32 reduce-scatter hands to the collective
     assert sent == shape[0] * shape[1] // 2 + shape[0] * shape[1] // 128 * 4  # 4 bits + one fp32 scale per 128
     assert fp32_bytes / sent >= 7.5
+
+
+def _two_models_one_reducer_case() -> dict:
+    """A GAN's or an actor-critic's two models of one architecture, each given the same reducer: their
+    parameters of one name would share an error buffer."""
+    from torch import nn
+
+    from shardtensor import shard_module, unshard_module
+
+    def build():
+        return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    out = {}
+    shared = CompressedReducer(group_size=4)
+    first = shard_module(build(), reducer=shared)
+    try:
+        shard_module(build(), reducer=shared)
+        out["second"] = "no error"
+    except ValueError as exc:
+        out["second"] = str(exc)
+    unshard_module(first)
+    shard_module(build(), reducer=shared)  # the first model gave it back
+    plain = CompressedReducer(group_size=4, error_feedback=False)  # no state: sharing is harmless
+    shard_module(build(), reducer=plain)
+    shard_module(build(), reducer=plain)
+    return out
+
+
+def test_one_reducer_with_error_feedback_for_two_models_is_refused_on_every_rank():
+    for r in run_on_ranks(2, _two_models_one_reducer_case):
+        assert "already reduces another model's gradients" in r["second"] and "Fix:" in r["second"], r

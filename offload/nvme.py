@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from shardtensor import _comm
 from shardtensor.optim import CPUAdam
 from shardtensor.optim.state_store import MOMENTS
 
@@ -329,8 +330,28 @@ class NVMeOffload:
     def export(self, key: int) -> Optional[dict[str, torch.Tensor]]:
         return self.read_copy(key) if self.has(key) else None
 
-    def end_step(self) -> None:
-        self.check_writes()
+    def end_step(self, group: Any = None) -> None:
+        """``check_writes``, agreed over ``group``: a disk that filled on one rank raises on every rank, each
+        naming the ranks and files, so a loop that catches the error and goes on keeps the ranks in step."""
+        try:
+            self.check_writes()
+            mine = None
+        except OffloadWriteError as exc:
+            mine = exc
+        if not _comm.is_distributed() or _comm.world_size(group) == 1:
+            if mine is not None:
+                raise mine
+            return
+        flag = torch.tensor([0.0 if mine is None else 1.0])
+        _comm.all_reduce(flag, group, op="max")
+        if flag.item() == 0:
+            return
+        verdicts = _comm.all_gather_object(None if mine is None else (str(mine), mine.paths), group,
+                                           label="NVMeOffload write verdicts")
+        failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        ranks = ", ".join(str(r) for r, _ in failed)
+        raise OffloadWriteError(f"(rank(s) {ranks} of {len(verdicts)}) {failed[0][1][0]}",
+                                [path for _, v in failed for path in v[1]])
 
     def reset(self) -> None:
         self.unregister_all()

@@ -233,7 +233,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
             self._expected_hooks = hooks_seen  # rule 5
         self._end_speculation(all_slots)
         self.last_grad_norm = norm if self.max_grad_norm is not None else math.nan  # only clipping computes it
-        self._store.end_step()  # raises what the store's background I/O hit in this step (state is consistent)
+        self._store.end_step(self.process_group)  # raises, on every rank, what the store's I/O hit in this step
         return loss
 
     def _redo_changed_speculations(self, slots: list[Slot]) -> bool:

@@ -10,8 +10,9 @@ below, always with the parameter's index in param-group order as the key:
 - ``resident(keys)`` around a worker job on one parameter, ``chunks(keys)`` around batched steps and rollbacks
   (each yielded chunk is resident while the caller's loop body runs; a store may read the next one ahead);
 - ``export(key)`` for ``state_dict()``: in-memory copies of moments whose live tensors may be swapped out;
-- ``end_step()`` at the end of every ``step()``: the place to raise, deterministically, what the store's
-  background I/O hit during the step (the optimizer's state is consistent by then);
+- ``end_step(group)`` at the end of every ``step()``, on every rank of the optimizer's process group: the place
+  to raise, deterministically and on every rank, what the store's background I/O hit during the step (the
+  optimizer's state is consistent by then; a failure on one rank only would leave the ranks' step counts apart);
 - ``reset()`` before a ``load_state_dict()``.
 
 ``HostStore`` is the default: plain host tensors (pinned on CUDA machines, so the device-to-host copies are
@@ -23,7 +24,7 @@ hand-written huge-page allocator bought 0-8% here, within the noise of a loaded 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Optional, Protocol, runtime_checkable
+from typing import Any, ContextManager, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -46,7 +47,7 @@ class StateStore(Protocol):
 
     def export(self, key: int) -> Optional[dict[str, torch.Tensor]]: ...
 
-    def end_step(self) -> None: ...
+    def end_step(self, group: Any = None) -> None: ...
 
     def reset(self) -> None: ...
 
@@ -73,7 +74,7 @@ class HostStore:
     def export(self, key: int) -> Optional[dict[str, torch.Tensor]]:
         return None  # the live tensors are in memory: torch's state_dict packs them as they are
 
-    def end_step(self) -> None:
+    def end_step(self, group: Any = None) -> None:
         pass
 
     def reset(self) -> None:

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "offload_write_error_on_one_rank": Mutation(
+        "offload/nvme.py", "end_step",
+        "        if not _comm.is_distributed() or _comm.world_size(group) == 1:", "        if True:",
+        ("tests/test_offload.py::test_nvme_full_disk_on_one_rank_is_named_on_every_rank_and_training_goes_on",)),
     "shared_reducer_accepted": Mutation(
         "shardtensor/_misuse.py", "refuse_shared_reducer",
         "    if owner is not None and owner is not module and hasattr(owner, \"_shardtensor\"):", "    if False:",

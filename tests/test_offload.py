@@ -280,6 +280,52 @@ class _DiskFull:
         return os.pwritev(fd, bufs, offset)
 
 
+def _full_disk_on_one_rank_case(directory: str) -> dict:
+    """Rank 1's disk fills at step 2 only; every rank catches the error and goes on, as its message says."""
+    import copy
+
+    import shardtensor
+    from shardtensor.optim import CPUAdam
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())])
+    ref_model = shardtensor.shard_module(copy.deepcopy(model))
+    shardtensor.shard_module(model)
+    disk = _DiskFull()
+    offload = NVMeOffload(os.path.join(directory, f"rank{rank}"), budget_bytes=3 << 10, buffer_bytes=4096,
+                          workers=2, writer=disk.writer)
+    opt = NVMeCPUAdam(model.parameters(), offload, lr=1e-2, speculative=False)
+    ref = CPUAdam(ref_model.parameters(), lr=1e-2, speculative=False)
+    gen = torch.Generator().manual_seed(rank)
+    errors = []
+    for k in range(4):
+        disk.room = 0 if (k == 2 and rank == 1) else None
+        x = torch.randn(8, 16, generator=gen)
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+        ref.step()
+        try:
+            opt.step()
+        except SwapError as exc:
+            errors.append((k, type(exc).__name__, str(exc), list(exc.paths)))
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(model.parameters(), ref_model.parameters()))
+    opt.close()
+    ref.close()
+    offload.close()
+    return {"errors": errors, "same": same}
+
+
+def test_nvme_full_disk_on_one_rank_is_named_on_every_rank_and_training_goes_on(tmp_path):
+    for rank, r in enumerate(run_on_ranks(2, _full_disk_on_one_rank_case, str(tmp_path), timeout=180)):
+        assert len(r["errors"]) == 1, (rank, r["errors"])
+        step, kind, message, paths = r["errors"][0]
+        assert step == 2 and kind == "OffloadWriteError" and "rank(s) 1 of 2" in message, (rank, message)
+        assert paths and all("rank1" in path for path in paths), (rank, paths)
+        assert r["same"], rank  # the failed step was applied on every rank, and the next ones too
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_nvme_full_disk_raises_at_that_step_and_the_state_still_saves(tmp_path, speculative):
     """The disk fills at step 2 and has room again at step 3: step 2 (and only it) raises a named error naming the

@@ -147,6 +147,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     step would apply nothing useful, and the deferred gradients would leak into the next step.  Also refuses an
     optimizer built before ``shard_module``."""
     _refuse_optimizer_built_first(optimizer)
+    _check_models_of_compiled_steps(optimizer)
     _refuse_state_of_another_rank(optimizer)
     busy = [gs for gs in list(_DEFERRING) if gs._deferred]
     if not busy:
@@ -168,19 +169,51 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 _SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (count, its sharded params)
 
 
-def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Global optimizer step post-hook: count the step (``note_optimizer_step``) over the optimizer's sharded
-    parameters, listed once per parameter count."""
+def _sharded_of(optimizer: torch.optim.Optimizer) -> tuple:
+    """(count, its sharded parameters, the indices of groups holding them, their Gatherers), listed once per
+    parameter count."""
     from .tensor import ShardedParam
 
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     cached = _SHARDED.get(optimizer)
     if cached is None or cached[0] != count:
-        cached = _SHARDED[optimizer] = (count, [p for group in optimizer.param_groups for p in group["params"]
-                                                if isinstance(p, ShardedParam)],
+        sharded = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p, ShardedParam)]
+        cached = _SHARDED[optimizer] = (count, sharded,
                                         [i for i, group in enumerate(optimizer.param_groups)
-                                         if any(isinstance(p, ShardedParam) for p in group["params"])])
-    note_optimizer_step(cached[1], _settings_digest(optimizer, cached[2]))
+                                         if any(isinstance(p, ShardedParam) for p in group["params"])],
+                                        list({id(p._gatherer): p._gatherer for p in sharded if p._gatherer is not None}.values()))
+    return cached
+
+
+_GATHERS_AT_STEP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Gatherer -> its count at a step
+
+
+def _check_models_of_compiled_steps(optimizer: torch.optim.Optimizer) -> None:
+    """A compiled forward runs neither the root's hook nor an eager gather, so the root's checks (a parameter
+    added, converted or unfrozen after ``shard_module``, ...) would never run: they run here instead, before any
+    update, for a model that gathered nothing eagerly since the last step.  One comparison per model else."""
+    _, sharded, _, gatherers = _sharded_of(optimizer)
+    checked = False
+    for gatherer in gatherers:
+        if gatherer.step_checks is not None and _GATHERS_AT_STEP.get(gatherer, 0) == gatherer.gathers:
+            gatherer.step_checks()
+            checked = True
+        _GATHERS_AT_STEP[gatherer] = gatherer.gathers
+    for p in sharded if checked else ():
+        if type(p.grad) is torch.Tensor:  # a frozen parameter's hook, attached by the checks just now, came late
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): the gradient of {p._name!r} is this rank's own full gradient, "
+                "never averaged across ranks: the parameter was frozen at shard_module and unfrozen later, and "
+                "under torch.compile the hook that averages it is attached at the first step that finds it "
+                "trainable (this one). Nothing was updated. Fix: opt.zero_grad() and run this step's forward and "
+                "backward again (its gradient is averaged from now on), or unfreeze it before shard_module.")
+
+
+def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Global optimizer step post-hook: count the step (``note_optimizer_step``) over the optimizer's sharded
+    parameters."""
+    _, sharded, groups, _ = _sharded_of(optimizer)
+    note_optimizer_step(sharded, _settings_digest(optimizer, groups))
 
 
 _NUMBERS = (int, float, bool)  # (bool is an int; str and None compare as they are)

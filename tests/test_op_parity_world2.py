@@ -158,3 +158,32 @@ def test_foreach_reductions_give_the_whole_tensors_value_on_every_rank(world, sh
     for rank, out in enumerate(run_on_ranks(world, run_foreach_reductions, shapes, seed, nan_at)):
         for name, entries in out.items():
             assert entries == [("Tensor", (), True, True)] * (len(shapes) + 1), (rank, name, shapes, entries)
+
+
+# ------------------------------------------------------------------ in-place element-wise ops torch leaves untagged
+_UNTAGGED_INPLACE = {
+    "abs_": lambda w: w.abs_(),
+    "absolute_": lambda w: w.absolute_(),
+    "fix_": lambda w: w.fix_(),
+    "mish_": lambda w: torch.ops.aten.mish_(w),
+    "copysign_scalar": lambda w: w.copysign_(-1.0),
+    "copysign_self": lambda w: w.copysign_(w * -1),
+    "heaviside_": lambda w: w.heaviside_(w * 0 + 0.5),
+    "threshold_": lambda w: torch.nn.functional.threshold_(w, 0.1, -2.0),
+    "masked_fill_own_mask": lambda w: w.masked_fill_(w > 0, 0.25),
+    "xlogy_scalar": lambda w: w.abs_().xlogy_(2.0),
+}
+
+
+def run_untagged_inplace(name: str) -> bool:
+    full = _x(5, 3)
+    m = _shard(full)
+    with torch.no_grad():
+        want = _UNTAGGED_INPLACE[name](full.clone())
+        _UNTAGGED_INPLACE[name](m.w)
+    return bool(torch.allclose(m.w.full_tensor(), want, rtol=1e-12, atol=0))  # (vector body and tail: ulps)
+
+
+@pytest.mark.parametrize("name", sorted(_UNTAGGED_INPLACE))
+def test_inplace_elementwise_ops_torch_leaves_untagged_run_on_the_shards(name):
+    assert all(run_on_ranks(2, run_untagged_inplace, name)), name

@@ -33,6 +33,10 @@ FOREACH = OpFamily("foreach", lambda func: func.overloadpacket.__name__.startswi
 EXTRA_LOCAL_OPS = [  # not tagged pointwise, but element-wise on a shard all the same
     aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zeros_like.default, aten.ones_like.default,
     aten.empty_like.default, aten.full_like.default, aten._to_copy.default, aten.clone.default,
+    # in-place forms whose out-of-place twin is tagged pointwise, but not themselves (torch 2.13)
+    aten.abs_.default, aten.absolute_.default, aten.fix_.default, aten.mish_.default, aten.xlogy_.Scalar_Other,
+    aten.copysign_.Tensor, aten.copysign_.Scalar, aten.true_divide_.Tensor, aten.heaviside_.default,
+    aten.threshold_.default, aten.masked_fill_.Scalar,
 ]
 # torch.optim's fused kernels: lists of params, grads and states, updated in place (like ``_foreach_*``).
 FUSED_OPTIMIZER_OPS = [aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_,

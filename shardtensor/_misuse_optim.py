@@ -181,7 +181,8 @@ def _sharded_of(optimizer: torch.optim.Optimizer) -> tuple:
         cached = _SHARDED[optimizer] = (count, sharded,
                                         [i for i, group in enumerate(optimizer.param_groups)
                                          if any(isinstance(p, ShardedParam) for p in group["params"])],
-                                        list({id(p._gatherer): p._gatherer for p in sharded if p._gatherer is not None}.values()))
+                                        list({id(p._gatherer): p._gatherer for p in sharded
+                                              if p._gatherer is not None}.values()))
     return cached
 
 
@@ -203,9 +204,9 @@ def _check_models_of_compiled_steps(optimizer: torch.optim.Optimizer) -> None:
         if type(p.grad) is torch.Tensor:  # a frozen parameter's hook, attached by the checks just now, came late
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step(): the gradient of {p._name!r} is this rank's own full gradient, "
-                "never averaged across ranks: the parameter was frozen at shard_module and unfrozen later, and "
-                "under torch.compile the hook that averages it is attached at the first step that finds it "
-                "trainable (this one). Nothing was updated. Fix: opt.zero_grad() and run this step's forward and "
+                "never averaged across ranks (a parameter frozen at shard_module and unfrozen later: under "
+                "torch.compile the hook that averages it is attached at the first step that finds it trainable, "
+                "this one). Nothing was updated. Fix: opt.zero_grad() and run this step's forward and "
                 "backward again (its gradient is averaged from now on), or unfreeze it before shard_module.")
 
 

@@ -44,6 +44,7 @@ from . import _comm, _comm_rows
 from ._layout import ShardLayout
 from .reduce import ExactReducer
 
+
 class HeldFull(NamedTuple):
     """A full tensor a unit gathered (``Gatherer.held``), the version of the shard it came from, and the unit
     (``_units._Unit.regather``: a write to the shard since makes the tensor stale)."""

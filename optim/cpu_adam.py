@@ -90,6 +90,10 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         state_store: where ``exp_avg`` / ``exp_avg_sq`` live (``state_store.StateStore``). (Default: host memory)
     """
 
+    # Its state is this rank's rows as plain tensors (a full-shape plain state is another run's only where the
+    # shard's shape differs: a one-row weight's shard has the full shape); read by shardtensor's step checks.
+    holds_local_shard_state = True
+
     def __init__(
         self,
         params: Iterable,

@@ -60,10 +60,10 @@ def refuse_shared_reducer(reducer, module: nn.Module) -> None:
     feeding its quantization error into the other's gradients, silently (a GAN, actor and critic)."""
     if reducer is None or not getattr(reducer, "keeps_state_per_parameter", False):
         return
-    owner = _REDUCERS_IN_USE.get(reducer, lambda: None)()
-    if owner is not None and owner is not module and hasattr(owner, "_shardtensor"):  # (not unsharded since)
+    owner = _REDUCERS_IN_USE.get(reducer)
+    if owner is not None and owner() is not module:  # (unsharded or deleted since: its buffers are still there)
         raise ValueError(
-            f"shard_module: this {type(reducer).__name__} already reduces another model's gradients, and it keeps "
+            f"shard_module: this {type(reducer).__name__} already reduced another model's gradients, and it keeps "
             "state per parameter name (error feedback): two models' parameters of the same name would share it. "
             f"Fix: pass a new {type(reducer).__name__}(...) to each shard_module call.")
     _REDUCERS_IN_USE[reducer] = weakref.ref(module)

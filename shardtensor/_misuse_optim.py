@@ -121,7 +121,8 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
                         continue
                     what = f"rank {saved[0]}'s rows of a {saved[1]}-rank run"
                 elif (type(p._layout) is ShardLayout and here[1] > 1 and value.shape == p.shape
-                      and value.shape != p._layout.local_shape()):  # one row: a shard and the whole look alike
+                      and (value.shape != p._layout.local_shape()  # one row: a shard and the whole look alike
+                           or not getattr(optimizer, "holds_local_shard_state", False))):  # (CPUAdam's do)
                     what = f"a full {type(value).__name__} of shape {tuple(value.shape)} (an unsharded run's)"
                 else:  # an optimizer's own per-rank layout (CPUAdam's host shards, Muon's owned tensors)
                     continue
@@ -186,28 +187,33 @@ def _sharded_of(optimizer: torch.optim.Optimizer) -> tuple:
     return cached
 
 
-_GATHERS_AT_STEP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Gatherer -> its count at a step
+_CHECKS_AT_STEP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Gatherer -> checks_run at a step
 
 
 def _check_models_of_compiled_steps(optimizer: torch.optim.Optimizer) -> None:
     """A compiled forward runs neither the root's hook nor an eager gather, so the root's checks (a parameter
     added, converted or unfrozen after ``shard_module``, ...) would never run: they run here instead, before any
-    update, for a model that gathered nothing eagerly since the last step.  One comparison per model else."""
+    update, for a model whose checks have not run since the last step.  And a sharded parameter whose ``.grad``
+    is a plain tensor (its hook was not in place when backward ran) is named here, before any update, not in
+    the middle of the optimizer's loop.  A comparison per model and a type test per parameter else."""
     _, sharded, _, gatherers = _sharded_of(optimizer)
-    checked = False
     for gatherer in gatherers:
-        if gatherer.step_checks is not None and _GATHERS_AT_STEP.get(gatherer, 0) == gatherer.gathers:
+        if gatherer.step_checks is not None and _CHECKS_AT_STEP.get(gatherer, 0) == gatherer.checks_run:
             gatherer.step_checks()
-            checked = True
-        _GATHERS_AT_STEP[gatherer] = gatherer.gathers
-    for p in sharded if checked else ():
-        if type(p.grad) is torch.Tensor:  # a frozen parameter's hook, attached by the checks just now, came late
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step(): the gradient of {p._name!r} is this rank's own full gradient, "
-                "never averaged across ranks (a parameter frozen at shard_module and unfrozen later: under "
-                "torch.compile the hook that averages it is attached at the first step that finds it trainable, "
-                "this one). Nothing was updated. Fix: opt.zero_grad() and run this step's forward and "
-                "backward again (its gradient is averaged from now on), or unfreeze it before shard_module.")
+        _CHECKS_AT_STEP[gatherer] = gatherer.checks_run
+    unaveraged = next((p for p in sharded if type(p.grad) is torch.Tensor), None)
+    if unaveraged is None:
+        return
+    for gatherer in gatherers:  # hooks an unfrozen parameter for the next backward (or names a conversion)
+        if gatherer.step_checks is not None:
+            gatherer.step_checks()
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.step(): the gradient of {unaveraged._name!r} is this rank's own full gradient, "
+        "never averaged across ranks: its gradient hook was not in place when backward ran (a parameter frozen at "
+        "shard_module and unfrozen later, trained under torch.compile or through children only: its hook is "
+        "attached now; or a model converted after shard_module, e.g. model.float()). Nothing was updated. Fix: "
+        "opt.zero_grad() and run this step's forward and backward again (the gradient is averaged from now on), "
+        "or unfreeze and convert before shard_module.")
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -207,6 +207,7 @@ def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[
     impls = {id(param): param._cdata for _, _, param in owners}  # their C++ tensors, which hold the hooks
 
     def checks() -> None:
+        gatherer.checks_run += 1  # (the optimizer step runs them where nothing did since the last step)
         _misuse.check_not_moved(owners, gatherer, impls)
         _misuse.refuse_inside_ddp()
         _misuse.check_no_new_parameters(root, known)

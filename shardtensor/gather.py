@@ -122,6 +122,7 @@ class Gatherer:
         self._step_ended = False  # a backward ended: the next gather starts a step (no root forward seen)
         self._steps_marked = False  # someone calls step_begin (the root forward hook): trust it
         self.step_checks: Optional[Callable[[], None]] = None  # see [Note: step boundaries without a root forward]
+        self.checks_run = 0  # times they ran (``_misuse_optim``: a compiled step, where no hook runs them)
         self._unchecked = True
         self._communicates = False  # a world of one gathers by aliasing: nothing to prefetch or overlap
         self._aliases_shards = False  # ... and with nothing to cast or fetch, acquire() returns the shard itself

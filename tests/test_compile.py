@@ -200,16 +200,19 @@ def changed_after_sharding_case(change: str) -> dict:
     """A compiled forward runs no root hook: what the root's checks catch in eager must be named at the step,
     on every rank, before any update (a parameter replaced after ``shard_module``; one frozen then unfrozen)."""
     model = _gpt(tied=True)
-    if change == "unfrozen":
+    if change.startswith("unfrozen"):
         model.blocks[0].fc.requires_grad_(False)
     shardtensor.shard_module(model)
     if change == "replaced":
         model.ln_f.weight = nn.Parameter(torch.ones(16))
     run = torch.compile(model, backend="aot_eager", fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if change == "unfrozen":
-        model.blocks[0].fc.requires_grad_(True)
     batch = _batches(dist.get_world_size())[0][dist.get_rank()]
+    if change == "unfrozen_after_an_eager_gather":  # an eager read (logging) runs the checks before the unfreeze
+        with torch.no_grad():
+            model.wte(batch)
+    if change.startswith("unfrozen"):
+        model.blocks[0].fc.requires_grad_(True)
     before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
     _loss(run, batch).backward()
     try:
@@ -219,7 +222,7 @@ def changed_after_sharding_case(change: str) -> dict:
         out = {"error": str(exc)}
     after = shardtensor.full_state_dict(model)
     out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
-    if change == "unfrozen":  # as the message says: run the step again, averaged now
+    if change.startswith("unfrozen"):  # as the message says: run the step again, averaged now
         opt.zero_grad()
         _loss(run, batch).backward()
         out["grad_sharded_now"] = type(model.blocks[0].fc.weight.grad).__name__ == "ShardedParam"
@@ -227,10 +230,10 @@ def changed_after_sharding_case(change: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("change", ["replaced", "unfrozen"])
+@pytest.mark.parametrize("change", ["replaced", "unfrozen", "unfrozen_after_an_eager_gather"])
 def test_a_compiled_model_changed_after_sharding_is_named_at_the_step_before_any_update(change):
-    want = {"replaced": "'ln_f.weight' was converted or replaced after shard_module",
-            "unfrozen": "'blocks.0.fc.weight' is this rank's own full gradient, never averaged"}[change]
+    want = "'ln_f.weight' was converted or replaced after shard_module" if change == "replaced" else \
+        "'blocks.0.fc.weight' is this rank's own full gradient, never averaged"
     for rank, r in enumerate(run_on_ranks(2, changed_after_sharding_case, change, timeout=300)):
         assert want in r["error"] and "Fix:" in r["error"] and r["unchanged"], (rank, r)
         assert r.get("grad_sharded_now", True), (rank, r)

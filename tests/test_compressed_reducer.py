@@ -232,7 +232,12 @@ def _two_models_one_reducer_case() -> dict:
     except ValueError as exc:
         out["second"] = str(exc)
     unshard_module(first)
-    shard_module(build(), reducer=shared)  # the first model gave it back
+    try:  # its error buffers still hold the first model's residuals
+        shard_module(build(), reducer=shared)
+        out["after_unshard"] = "no error"
+    except ValueError as exc:
+        out["after_unshard"] = str(exc)
+    shard_module(first, reducer=shared)  # the same model sharded again takes its own buffers back
     plain = CompressedReducer(group_size=4, error_feedback=False)  # no state: sharing is harmless
     shard_module(build(), reducer=plain)
     shard_module(build(), reducer=plain)
@@ -241,4 +246,5 @@ def _two_models_one_reducer_case() -> dict:
 
 def test_one_reducer_with_error_feedback_for_two_models_is_refused_on_every_rank():
     for r in run_on_ranks(2, _two_models_one_reducer_case):
-        assert "already reduces another model's gradients" in r["second"] and "Fix:" in r["second"], r
+        for case in ("second", "after_unshard"):
+            assert "already reduced another model's gradients" in r[case] and "Fix:" in r[case], r

@@ -334,19 +334,30 @@ def test_state_dict_saved_on_rank0_into_a_plain_model_is_named_on_every_rank_at_
     assert "saved by another rank" in rank1 and "save_checkpoint" in rank1, rank1
 
 
-def converted_then_children_case() -> str:
+def converted_then_children_case() -> tuple:
     torch.manual_seed(0)
     model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)).double())
     model.float()  # a real conversion: the parameters leave the gather schedule, and their gradient hooks go
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model[1](model[0](torch.randn(3, 4))).sum().backward()  # children called: the root's forward never runs
-    return _error_of(opt.step)
+    before = [p.to_local().clone() for p in model.parameters()]
+
+    def by_hand():
+        with torch.no_grad():
+            model[0].weight.sub_(0.1 * model[0].weight.grad)
+
+    step, manual = _error_of(opt.step), _error_of(by_hand)
+    return step, manual, all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
 
 
 def test_a_step_on_a_gradient_that_was_never_averaged_says_why():
-    for message in run_on_ranks(2, converted_then_children_case):
-        assert "ShardedOpError" in message and ".grad is a full plain tensor" in message, message
-        assert "never averaged" in message and "convert the model before shard_module" in message, message
+    for step, manual, unchanged in run_on_ranks(2, converted_then_children_case):
+        # the optimizer's step pre-hook names the unaveraged gradient and the conversion, before any update
+        assert "'0.weight' is this rank's own full gradient, never averaged" in step and "model.float()" in step, step
+        assert "Nothing was updated" in step and unchanged, step
+        # an update by hand meets the plain gradient in the op itself
+        assert "ShardedOpError" in manual and ".grad is a full plain tensor" in manual, manual
+        assert "never averaged" in manual and "convert the model before shard_module" in manual, manual
 
 
 def _hook_returns_full_case() -> str:
@@ -495,6 +506,20 @@ def other_ranks_optimizer_state_case(path: str) -> dict:
     return out
 
 
+def one_row_unsharded_state_case() -> str:
+    """An unsharded run's Adam state for a one-row weight: its shard has the full tensor's shape, and a stock
+    optimizer's own state for it would be a sharded tensor, so a plain one is still another run's."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    head, plain_head = shardtensor.shard_module(nn.Linear(4, 1)), nn.Linear(4, 1)
+    head_opt, plain_head_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (head, plain_head))
+    for m, o in ((head, head_opt), (plain_head, plain_head_opt)):
+        m(x).square().mean().backward()
+        o.step()
+    head_opt.load_state_dict(plain_head_opt.state_dict())
+    head(x).square().mean().backward()
+    return _error_of(head_opt.step)
+
+
 def test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_step(tmp_path):
     results = run_on_ranks(2, other_ranks_optimizer_state_case, str(tmp_path / "opt.pt"))
     assert results[0]["other_rank"] == "no error", results  # rank 0's own file on rank 0
@@ -504,6 +529,8 @@ def test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_s
     for r in results:
         assert "an unsharded run's" in r["unsharded"] and "Fix:" in r["unsharded"], r
         assert r["unsharded_unchanged"], r
+    for message in run_on_ranks(2, one_row_unsharded_state_case):
+        assert "'exp_avg' of 'weight' is a full Tensor of shape (1, 4)" in message, message
 
 
 # ------------------------------------------------------------------------ generators seeded per rank at materialize

@@ -83,7 +83,8 @@ def run_nan_and_edges() -> dict:
     out = {k: bool(v.isnan()) for k, v in got.items()}
     clean = ShardedParam.from_full(_x(5, 3), name="c")
     out["max_clean"] = clean.max().item() == _x(5, 3).max().item()
-    for what, fn in [("max_empty", lambda e: e.max()), ("inf_norm_empty", lambda e: torch.linalg.vector_norm(e, float("inf")))]:
+    for what, fn in [("max_empty", lambda e: e.max()), ("inf_norm_empty", lambda e: torch.linalg.vector_norm(e, float("inf"))),
+                     ("foreach_inf_norm_empty", lambda e: torch._foreach_norm([e], float("inf")))]:
         try:
             fn(ShardedParam.from_full(torch.empty(0, 3), name="e"))
             out[what] = "no error"
@@ -98,6 +99,7 @@ def test_nan_in_last_rank_rows_propagates_and_empty_max_raises():
     for rank, out in enumerate(run_on_ranks(2, run_nan_and_edges)):
         assert out == {"max": True, "min": True, "amax": True, "amin": True, "inf_norm": True, "-inf_norm": True,
                        "foreach_inf": True, "max_clean": True, "max_empty": "raises", "inf_norm_empty": "raises",
+                       "foreach_inf_norm_empty": "raises",
                        "short": True}, (rank, out)
 
 

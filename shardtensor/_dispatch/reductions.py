@@ -152,9 +152,11 @@ def _foreach_reduction(func, args, kwargs):
             out[i] = value
     if not sharded:
         return out
+    no_identity = func is aten._foreach_max.default or abs(_ord_of(args, kwargs)) == float("inf") \
+        and func is aten._foreach_norm.Scalar  # an empty tensor's max or inf-norm: torch's own error
     if not all(_chain_is_bijective(t._views) for _, t in sharded) \
-            or any(t.numel() == 0 for _, t in sharded) and func is aten._foreach_max.default:
-        for i, t in sharded:  # a view that is not one element per element (or torch's own error for an empty max)
+            or no_identity and any(t.numel() == 0 for _, t in sharded):
+        for i, t in sharded:  # a view that is not one element per element (or an empty tensor without identity)
             out[i] = func([gather_full(t)], *rest, **kwargs)[0]
         return out
     # float64 for the cross-rank reduction: float32 partials would round a float64 model's norm (and cost the

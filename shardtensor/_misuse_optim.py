@@ -148,7 +148,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     step would apply nothing useful, and the deferred gradients would leak into the next step.  Also refuses an
     optimizer built before ``shard_module``."""
     _refuse_optimizer_built_first(optimizer)
-    _check_models_of_compiled_steps(optimizer)
+    _check_models_before_step(optimizer)
     _refuse_state_of_another_rank(optimizer)
     busy = [gs for gs in list(_DEFERRING) if gs._deferred]
     if not busy:
@@ -190,7 +190,7 @@ def _sharded_of(optimizer: torch.optim.Optimizer) -> tuple:
 _CHECKS_AT_STEP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Gatherer -> checks_run at a step
 
 
-def _check_models_of_compiled_steps(optimizer: torch.optim.Optimizer) -> None:
+def _check_models_before_step(optimizer: torch.optim.Optimizer) -> None:
     """A compiled forward runs neither the root's hook nor an eager gather, so the root's checks (a parameter
     added, converted or unfrozen after ``shard_module``, ...) would never run: they run here instead, before any
     update, for a model whose checks have not run since the last step.  And a sharded parameter whose ``.grad``

@@ -34,13 +34,13 @@ MUTATIONS = {
         "                           or False)):",
         ("tests/test_misuse.py::test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_step",)),
     "plain_grad_met_mid_step": Mutation(
-        "shardtensor/_misuse_optim.py", "_check_models_of_compiled_steps",
+        "shardtensor/_misuse_optim.py", "_check_models_before_step",
         "    unaveraged = next((p for p in sharded if type(p.grad) is torch.Tensor), None)", "    unaveraged = None",
         ("tests/test_compile.py::test_a_compiled_model_changed_after_sharding_is_named_at_the_step_before_any_update",
          "tests/test_misuse.py::test_a_step_on_a_gradient_that_was_never_averaged_says_why")),
     "compiled_steps_unchecked": Mutation(
         "shardtensor/_misuse_optim.py", "_step_pre_hook",
-        "    _check_models_of_compiled_steps(optimizer)", "    pass",
+        "    _check_models_before_step(optimizer)", "    pass",
         ("tests/test_compile.py::test_a_compiled_model_changed_after_sharding_is_named_at_the_step_before_any_update",)),
     "offload_write_error_on_one_rank": Mutation(
         "offload/nvme.py", "end_step",
@@ -66,7 +66,7 @@ MUTATIONS = {
         ("tests/test_op_parity_world2.py::test_foreach_reductions_give_the_whole_tensors_value_on_every_rank",)),
     "foreach_plain_write_unversioned": Mutation(
         "shardtensor/_dispatch/local.py", "_foreach_local",
-        "    _mark_written(written, _written_plain_tensors(func, args, kwargs))", "    _mark_written(written)",
+        "    _mark_written(written, plain)", "    _mark_written(written)",
         ("tests/test_cpu_adam.py::test_a_write_through_a_sharded_tensor_bumps_its_local_version",
          "tests/test_cpu_adam.py::test_speculative_steps_see_a_clip_grad_norm_done_by_hand")),
     "one_row_shard_taken_for_full_state": Mutation(

@@ -108,15 +108,19 @@ def _written_params(func, args, kwargs) -> list[ShardedParam]:
     return written
 
 
-def _written_plain_tensors(func, args, kwargs) -> list[torch.Tensor]:
-    """The plain tensors ``func`` writes into beside shards (a replicated 0-d parameter's gradient in
-    ``clip_grad_norm_``'s ``_foreach_mul_`` list): written below autograd's version bump, like the shards."""
-    written = []
+def _written_shards_and_plain(func, args, kwargs) -> tuple[list[ShardedParam], list[torch.Tensor]]:
+    """``_written_params`` and, in the same pass, the plain tensors ``func`` writes into beside the shards (a
+    replicated 0-d parameter's gradient in ``clip_grad_norm_``'s ``_foreach_mul_`` list): written below
+    autograd's version bump, like the shards.  One pass: the foreach path runs every optimizer step."""
+    shards, plain = [], []
     for position, name in _written_args(func):
         value = args[position] if position < len(args) else kwargs.get(name)
-        values = value if isinstance(value, (list, tuple)) else (value,)
-        written += [t for t in values if type(t) in (torch.Tensor, torch.nn.Parameter)]
-    return written
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, ShardedParam):
+                shards.append(t)
+            elif type(t) in (torch.Tensor, torch.nn.Parameter):
+                plain.append(t)
+    return shards, plain
 
 
 def _mark_written(params, plain: Sequence[torch.Tensor] = ()) -> None:

@@ -22,7 +22,7 @@ from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
 from ._common import (
     _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
-    _params_in, _to_local, _wrap_like, _written_args, _written_params, _written_plain_tensors, aten, implements,
+    _params_in, _to_local, _wrap_like, _written_args, _written_params, _written_shards_and_plain, aten, implements,
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse
@@ -83,9 +83,8 @@ def _foreach_local(func, args, kwargs):
         if isinstance(value, torch.Tensor) and not isinstance(value, ShardedParam) and value.numel() != 1:
             _refuse(func, args, kwargs, f"a keyword tensor of shape {tuple(value.shape)} is not a scalar")
     out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
-    written = _written_params(func, args, kwargs)
-    # see [Note: writes through the wrapper are versioned on the shard]
-    _mark_written(written, _written_plain_tensors(func, args, kwargs))
+    written, plain = _written_shards_and_plain(func, args, kwargs)
+    _mark_written(written, plain)  # see [Note: writes through the wrapper are versioned on the shard]
     if out is None or written and not isinstance(out, (list, tuple)):
         return out
     first = args[0]

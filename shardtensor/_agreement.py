@@ -20,6 +20,7 @@ import hashlib
 import weakref
 
 import torch
+from torch import nn
 
 from . import _comm
 
@@ -79,7 +80,7 @@ def refuse_differing(items: list, what: str, refusal: str = "") -> None:
     for group_items in by_group.values():
         names = differing(group_items, what, refusal)
         if refusal:
-            raise ValueError(refusal)
+            raise refusal if isinstance(refusal, Exception) else ValueError(refusal)
         if names and names[0] is None:
             raise ValueError(f"{what}: another rank refused it (its error names the tensor and the fix), so no "
                              "rank copies anything: a load is all ranks' or none's.")
@@ -90,6 +91,8 @@ def refuse_differing(items: list, what: str, refusal: str = "") -> None:
                 "would keep its rows of another tensor (a patchwork). Nothing was copied. Fix: write the same "
                 "tensor on every rank (load the same file, seed alike, or dist.broadcast(t, 0) first), and run "
                 "the write on every rank.")
+    if refusal:  # every tensor already agreed (a second load of the same dict): refused all the same
+        raise refusal if isinstance(refusal, Exception) else ValueError(refusal)
 
 
 def is_plain(t) -> bool:
@@ -129,20 +132,56 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     sharded parameters by name, its subtree's): every full tensor headed for them, in one exchange.  The first
     hook of a load checks all of its tensors; the hooks of the modules below find them agreed (torch copies a
     module's parameters and catches what ``copy_`` raises, so the per-copy check alone would leave a load half
-    done, and a load on one rank only waiting at every parameter)."""
+    done, and a load on one rank only waiting at every parameter).  The first hook also finds what torch itself
+    would refuse (see ``torch_load_errors``), so that refusal too comes before the first copy, on every rank."""
     if root:
         _AGREED.clear()
-    items, refusal = [], ""
+    items, refusal = [], None
+    if root or not prefix:  # the module load_state_dict was called on (or the sharded root below a wrapper)
+        errors = torch_load_errors(module, state_dict, prefix)
+        if errors:
+            refusal = RuntimeError(
+                f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors) +
+                "\nNothing was copied on any rank (torch copies the other tensors before it raises; a sharded "
+                "model's load is all or nothing).")
     for name, param in params.items():
         value = state_dict.get(prefix + name)
-        if (is_plain(value) or hasattr(value, "_layout")) and tuple(value.shape) == tuple(param.shape):
+        if is_plain(value) or hasattr(value, "_layout"):  # (a wrong shape is refused above, on every rank)
             items.append((param._name or name, param, value))  # the message names it as the model does
             refusal = refusal or _other_ranks_shard(prefix + name, value)
     if refusal and not items:
-        raise ValueError(refusal)
+        raise refusal if isinstance(refusal, Exception) else ValueError(refusal)
     refuse_differing(items, "load_state_dict", refusal)
     for _, _, value in items:
         _AGREED[id(value)] = weakref.ref(value)
+
+
+def torch_load_errors(module, state_dict: dict, prefix: str) -> list[str]:
+    """The errors torch's ``load_state_dict`` would report for ``module``'s tensors, whatever ``strict`` is: a
+    value that is not a tensor, a shape that differs (a checkpoint of another vocabulary size).  torch finds them
+    while it copies, and raises after copying every other tensor: the model is then half the checkpoint's.
+    Modules that load their own way (a ``_load_from_state_dict`` of their own, but for the norm layers', which
+    only add a missing counter) are left to torch."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    plain_loads = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
+    errors = []
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        if type(sub)._load_from_state_dict not in plain_loads:
+            continue
+        tensors = {**sub._parameters, **{k: v for k, v in sub._buffers.items()
+                                         if k not in sub._non_persistent_buffers_set}}
+        for name, tensor in tensors.items():
+            key = prefix + (f"{module_name}." if module_name else "") + name
+            value = state_dict.get(key)
+            if tensor is None or value is None or nn.parameter.is_lazy(tensor):
+                continue
+            if not torch.overrides.is_tensor_like(value):
+                errors.append(f"{key!r} is a {type(value).__name__}, not a tensor")
+            elif tuple(value.shape) != tuple(tensor.shape) and not (tensor.dim() == 0 and tuple(value.shape) == (1,)):
+                errors.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                              f"checkpoint, the shape in current model is {tuple(tensor.shape)}")
+    return errors
 
 
 def _other_ranks_shard(key: str, value) -> str:

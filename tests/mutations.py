@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "torch_refused_load_copies_the_rest": Mutation(
+        "shardtensor/_agreement.py", "torch_load_errors",
+        "            elif tuple(value.shape) != tuple(tensor.shape) and not (tensor.dim() == 0 and tuple(value.shape) == (1,)):",
+        "            elif False:",
+        ("tests/test_misuse.py::test_a_load_torch_refuses_raises_on_every_rank_before_anything_is_copied",)),
     "one_row_plain_state_of_stock_optimizer_taken": Mutation(
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
         '                           or not getattr(optimizer, "holds_local_shard_state", False))):',

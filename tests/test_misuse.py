@@ -654,6 +654,54 @@ def test_full_tensors_that_differ_between_ranks_are_refused_or_taken_from_rank_0
         assert result["init_is_rank0s"], result
 
 
+def torch_refused_load_case() -> dict:
+    """``model.load_state_dict`` of a dict torch refuses (a wrong shape, a non-tensor), whatever ``strict``:
+    torch copies every other tensor first and raises at the end; a sharded model's load raises before."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))  # noqa: E731
+    model = shardtensor.shard_module(build(), persist_numel=7)  # the LayerNorm's and 2.bias kept whole
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}  # (kept-whole ones: the live tensor)
+    new = {k: v + 1 for k, v in before.items()}
+    cases = {
+        "a sharded weight": ({**new, "2.weight": torch.zeros(4, 6)}, True),
+        "a kept-whole bias, strict=False": ({**new, "2.bias": torch.zeros(4)}, False),
+        "a non-tensor": ({**new, "0.bias": [0.0] * 6}, True),
+        "rank 1's file only": ({**new, "2.weight": torch.zeros(3, 7)} if rank == 1 else new, True),
+        "a block's own load": ({"weight": torch.zeros(6, 5), "bias": new["0.bias"]}, True),
+    }
+    messages, unchanged = {}, {}
+    for what, (state, strict) in cases.items():
+        target = model[0] if what == "a block's own load" else model
+        messages[what] = _error_of(lambda: target.load_state_dict(state, strict=strict))
+        after = shardtensor.full_state_dict(model)
+        unchanged[what] = [k for k in before if not torch.equal(before[k], after[k])]
+    scalar = shardtensor.shard_module(nn.ParameterDict({"t": nn.Parameter(torch.tensor(1.0))}))
+    scalar.load_state_dict({"t": torch.tensor([2.0])})  # torch's own allowance: a (1,) tensor into a 0-d one
+    model.load_state_dict(new)
+    loads = all(torch.equal(v, new[k]) for k, v in shardtensor.full_state_dict(model).items())
+    return {"messages": messages, "changed": unchanged, "loads": loads, "scalar": scalar["t"].item()}
+
+
+def test_a_load_torch_refuses_raises_on_every_rank_before_anything_is_copied():
+    # torch collects a wrong shape's error while it copies, and raises after copying everything else: the
+    # model was half the checkpoint's (0.weight, 0.bias and the LayerNorm overwritten before 2.weight's error).
+    for result in run_on_ranks(2, torch_refused_load_case):
+        for what, message in result["messages"].items():
+            assert result["changed"][what] == [], (what, result["changed"][what], message)
+            if what == "rank 1's file only":
+                assert "size mismatch for 2.weight" in message or "another rank refused it" in message, message
+                continue
+            assert "RuntimeError" in message and "Nothing was copied on any rank" in message, (what, message)
+        assert "size mismatch for 2.weight: copying a param with shape (4, 6)" in result["messages"]["a sharded weight"]
+        assert "size mismatch for 2.bias" in result["messages"]["a kept-whole bias, strict=False"]
+        assert "'0.bias' is a list, not a tensor" in result["messages"]["a non-tensor"]
+        assert "size mismatch for weight: copying a param with shape (6, 5)" in result["messages"]["a block's own load"]
+        assert result["loads"] and result["scalar"] == 2.0, result
+
+
 def reloaded_state_case() -> list:
     torch.manual_seed(0)
     model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6)))

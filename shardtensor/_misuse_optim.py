@@ -98,20 +98,40 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
     """``opt.load_state_dict(torch.load(f))`` with a file another rank saved (rank 0's, on every rank), one saved
     at another world size, or one of an unsharded run: the state's shards are other rows than this rank's
     parameters (the step would mix them, or fail on one rank only with an unrelated message).  Checked at the
-    first step after ``load_state_dict`` (which replaces ``optimizer.state``): one id comparison per step else."""
+    first step after ``load_state_dict`` (which replaces ``optimizer.state``): one id comparison per step else.
+    The verdict is agreed over the parameters' group (one flag all-reduce, only where the state was loaded):
+    rank 0's file is rank 0's own rows, so rank 0 alone would step, and the ranks' rows would be steps apart."""
     if _STATE_SEEN.get(optimizer) == id(optimizer.state):
         return
     if optimizer not in _STATE_SEEN:  # the id alone is not enough: the replaced state's id is often reused
         optimizer.register_load_state_dict_post_hook(_forget_checked_state)
+    refusal, loaded, group = _state_of_another_rank(optimizer)
+    if loaded and _comm.is_distributed() and _comm.world_size(group) > 1:
+        flag = torch.tensor([float(refusal is not None)])
+        _comm.all_reduce(flag, group, op="max", label=f"{type(optimizer).__name__}.step(): loaded state's verdicts")
+        if flag.item() and refusal is None:
+            refusal = (f"{type(optimizer).__name__}.step(): another rank's optimizer state is not its own rows (its "
+                       "error names the state and the file's rank). Nothing was updated on any rank: this rank's "
+                       "state loads, but a step here alone would leave the ranks' rows steps apart. Fix: load each "
+                       "rank's own file on that rank, or shardtensor.save_checkpoint(dir, model, opt) / "
+                       "load_checkpoint (any world size).")
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    _STATE_SEEN[optimizer] = id(optimizer.state)
+
+
+def _state_of_another_rank(optimizer: torch.optim.Optimizer) -> tuple:
+    """(why this rank's state is not its own rows, or None; whether any sharded parameter has state; their
+    group)."""
     from ._layout import ShardLayout
     from .tensor import ShardedParam
 
-    here = None
-    for group in optimizer.param_groups:
-        for p in group["params"]:
+    loaded, group = False, None
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
             if not isinstance(p, ShardedParam) or p not in optimizer.state:
                 continue
-            here = (p._layout.rank, p._layout.world)
+            loaded, group, here = True, getattr(p._layout, "group", None), (p._layout.rank, p._layout.world)
             for key, value in optimizer.state[p].items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     continue
@@ -126,13 +146,13 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
                     what = f"a full {type(value).__name__} of shape {tuple(value.shape)} (an unsharded run's)"
                 else:  # an optimizer's own per-rank layout (CPUAdam's host shards, Muon's owned tensors)
                     continue
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of {p._name!r} is {what}, but "
-                    f"this is rank {here[0]} of {here[1]}: a state dict loaded from another rank's or another "
-                    "run's file. Nothing was updated. Fix: torch.save(opt.state_dict()) and load it back on each "
-                    "rank with its own file at the same world size, or shardtensor.save_checkpoint(dir, model, opt) "
-                    "/ load_checkpoint (any world size).")
-    _STATE_SEEN[optimizer] = id(optimizer.state)
+                return (f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of {p._name!r} is {what}, "
+                        f"but this is rank {here[0]} of {here[1]}: a state dict loaded from another rank's or "
+                        "another run's file. Nothing was updated on any rank. Fix: torch.save(opt.state_dict()) and "
+                        "load it back on each rank with its own file at the same world size, or "
+                        "shardtensor.save_checkpoint(dir, model, opt) / load_checkpoint (any world size).",
+                        loaded, group)
+    return None, loaded, group
 
 
 def _forget_checked_state(optimizer: torch.optim.Optimizer) -> None:

@@ -226,25 +226,45 @@ def test_writes_through_row_views_land_on_the_rows_owner(world):
             assert out == {"same_init": True, "same_writes": True, "padding_row_zero": True}, (vocab, padding_idx, out)
 
 
-def orthogonal_case(rows: int, cols: int) -> str:
-    """``nn.init.orthogonal_`` writes its result through ``tensor.view_as(q)``: a view with the base's own
-    geometry, so a write through it is a write of the base (this rank's rows)."""
-    torch.manual_seed(0)
-    reference, model = nn.Linear(cols, rows), shardtensor.shard_module(nn.Linear(cols, rows))
+INITS_AFTER_SHARDING = {
+    "orthogonal_": lambda w: nn.init.orthogonal_(w, gain=0.5),  # a draw written through w.view(rows, -1)
+    "dirac_": nn.init.dirac_,  # zero_, then w[i, i, k] = 1 through three selects
+    "eye_": nn.init.eye_,  # torch.eye(n, m, out=w)
+    "trunc_normal_": nn.init.trunc_normal_,
+}
+
+
+def init_after_sharding_case(init: str, shape: tuple, seeded_alike: bool) -> str:
+    """An ``nn.init`` function applied to a sharded parameter (``materialize(model, init_fn)``, or a head
+    re-initialised for fine-tuning) equals it applied to the unsharded one, or is refused before it writes."""
+    rank = dist.get_rank()
+    plain = torch.zeros(shape, dtype=torch.float64)
+    sharded = shardtensor.ShardedParam.from_full(torch.full(shape, 7.0, dtype=torch.float64), name="w")
     torch.manual_seed(5)
-    nn.init.orthogonal_(reference.weight)
-    torch.manual_seed(5)
+    INITS_AFTER_SHARDING[init](plain)
+    torch.manual_seed(5 if seeded_alike else 5 + rank)
     try:
-        nn.init.orthogonal_(model.weight)
-    except shardtensor.ShardedOpError as exc:
-        return str(exc)
-    return f"off {(model.weight.full_tensor() - reference.weight).abs().max().item()}"
+        with torch.no_grad():
+            INITS_AFTER_SHARDING[init](sharded)
+    except (shardtensor.ShardedOpError, ValueError) as exc:
+        untouched = bool((sharded.full_tensor() == 7.0).all())
+        return f"{type(exc).__name__} untouched={untouched}: {exc}"
+    return f"off {(sharded.full_tensor() - plain).abs().max().item()}"
 
 
-def test_orthogonal_init_writes_through_a_whole_base_view():
-    assert run_on_ranks(2, orthogonal_case, 7, 3) == ["off 0.0"] * 2
-    for message in run_on_ranks(2, orthogonal_case, 3, 7):  # a wide matrix transposes its draw in place
-        assert message.startswith("aten.t_.default would write into ShardedParam"), message
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("init", sorted(INITS_AFTER_SHARDING))
+def test_inits_after_sharding_equal_the_unsharded_init(init, world):
+    # orthogonal_ of a wide matrix transposed its draw in place (refused: t_ of a sharded temporary), of a conv
+    # weight wrote through w.view(rows, -1) (refused); dirac_ zeroed the weight, then was refused at its first
+    # w[i, i, k] = 1; eye_ was refused (an out= write).  Shapes: tall, wide, rows that do not divide, conv.
+    shapes = [(7, 3), (3, 7), (5, 5), (6, 2, 3)] if init != "eye_" else [(7, 3), (3, 7), (5, 5)]
+    shapes = [s for s in shapes if init != "dirac_" or len(s) == 3] or [(6, 2, 3)]
+    for shape in shapes:
+        assert run_on_ranks(world, init_after_sharding_case, init, shape, True) == ["off 0.0"] * world, shape
+    if init == "orthogonal_":  # generators apart, outside materialize(): refused, nothing written
+        for message in run_on_ranks(world, init_after_sharding_case, init, (3, 7), False):
+            assert message.startswith("ValueError untouched=True") and "differs between ranks" in message, message
 
 
 # ---------------------------------------------------------------------------------------------- no_sync

@@ -170,17 +170,21 @@ def _scalar_operand(x) -> bool:
 
 def _write_dim0_rows(func, args, kwargs) -> bool:
     """An in-place op with scalar operands through one dim-0 row view (``weight[padding_idx].zero_()``, which
-    ``nn.Embedding.reset_parameters`` and Hugging Face's inits run; ``weight[2:5].fill_(0)``): each rank writes
-    the rows of the view it holds, a rank holding none writes nothing.  No collective: every rank knows the rows
-    from the layout.  Returns False where the op is not of that form (the caller refuses it)."""
+    ``nn.Embedding.reset_parameters`` and Hugging Face's inits run; ``weight[2:5].fill_(0)``), or through views of
+    one selected row (``nn.init.dirac_``: ``w[i, j, k] = 1``): each rank writes the rows of the view it holds, a
+    rank holding none writes nothing.  No collective: every rank knows the rows from the layout.  Returns False
+    where the op is not of that form (the caller refuses it)."""
     view = args[0]
-    if not isinstance(view, ShardedParam) or len(view._views) != 1 or type(view._layout) is not ShardLayout \
+    if not isinstance(view, ShardedParam) or not view._views or type(view._layout) is not ShardLayout \
             or not all(_scalar_operand(x) for x in (*args[1:], *kwargs.values())):
         return False
-    step, layout = view._views[0], view._layout
+    (step, *within_row), layout = view._views, view._layout
     dim, *rest = step.args or (None,)
     if dim not in (0, -len(layout.shape)) or step.kwargs or step.index is not None:
         return False
+    if within_row and (step.func is not aten.select.int or any(s.func is aten.as_strided.default
+                                                              for s in within_row)):
+        return False  # (a view after a slice would index the slice's rows, not this rank's)
     n = layout.shape[0]
     if step.func is aten.select.int:
         row = rest[0] + n if rest[0] < 0 else rest[0]
@@ -196,16 +200,21 @@ def _write_dim0_rows(func, args, kwargs) -> bool:
     lo, hi = max(lo, start), min(hi, start + layout.valid_rows)
     if lo < hi:
         rows = view._local[lo - start: hi - start]
-        func(rows[0] if step.func is aten.select.int else rows, *args[1:], **kwargs)
+        target = rows[0] if step.func is aten.select.int else rows
+        for later in within_row:
+            target = later.apply(target)
+        func(target, *args[1:], **kwargs)
     _mark_written((view,))
     return True
 
 
-def _whole_base_view(view: ShardedParam) -> bool:
-    """A view with the base's own shape and layout (``w.view_as(w)``, ``w.view(w.shape)``): writing through it is
-    writing the base."""
+def _whole_base_reshape(view: ShardedParam) -> bool:
+    """A contiguous view of all of the base, in its order (``w.view_as(w)``; ``w.view(rows, -1)`` of a conv
+    weight, which ``nn.init.orthogonal_`` writes through): element ``i`` of the view is element ``i`` of the base,
+    so writing ``src`` through it is writing ``src.reshape(base shape)`` into the base."""
     shape, stride, offset = view_geometry(view._layout.shape, view._views)
-    return shape == view._layout.shape and offset == 0 and stride == torch.empty(shape, device="meta").stride()
+    return (offset == 0 and shape.numel() == view._layout.shape.numel()
+            and stride == torch.empty(shape, device="meta").stride())
 
 
 @implements(aten.index_put_.default)
@@ -230,10 +239,19 @@ def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, ShardedParam):
         return compute(func, args, kwargs)  # plain.copy_(sharded): gather the source
-    if dst._views and not _whole_base_view(dst):  # (nn.init.orthogonal_ writes through tensor.view_as(q))
-        if _backward_temporaries([dst]):  # householder_product's / ormqr's backward fill a temporary's columns
-            return _write_back(func, args, kwargs, [dst])
-        _refuse(func, args, kwargs, "the destination is a view of a shard")
+    if dst._views:
+        if not _whole_base_reshape(dst):
+            if _backward_temporaries([dst]):  # householder_product's / ormqr's backward fill a temporary's columns
+                return _write_back(func, args, kwargs, [dst])
+            if _write_dim0_rows(func, args, kwargs):  # a scalar into rows (nn.init.dirac_'s w[i, j, k] = 1)
+                return dst
+            _refuse(func, args, kwargs, "the destination is a view of a shard")
+        src = gather_full(src) if isinstance(src, ShardedParam) else src
+        if src.shape != dst.shape and src.dim() != 0:
+            raise ValueError(f"copy_ into a view of ShardedParam {dst._name!r}: source shape {tuple(src.shape)} "
+                             f"!= view shape {tuple(dst.shape)}")
+        _copy(func, (dst._derived(dst._local, views=()), src.expand(dst.shape).reshape(dst._layout.shape)), {})
+        return dst
     if isinstance(src, ShardedParam):
         if src._layout == dst._layout and not src._views:
             dst._local.copy_(src._local)
@@ -253,12 +271,30 @@ def _copy(func, args, kwargs):
     return dst
 
 
+@implements([aten.eye.out, aten.eye.m_out])
+def _eye_into_shard(func, args, kwargs):
+    """``nn.init.eye_(w)`` is ``torch.eye(n, m, out=w)``: the same full tensor on every rank, of which each keeps
+    its rows."""
+    out = kwargs["out"]
+    if not isinstance(out, ShardedParam) or out._views or type(out._layout) is not ShardLayout:
+        _refuse(func, args, kwargs, "out= is a view of a shard")
+    full = torch.empty(out._layout.shape, dtype=out.dtype, device=out.device)
+    func(*args, **{**kwargs, "out": full})
+    if full.shape != out._layout.shape:
+        _refuse(func, args, kwargs, f"it would resize the parameter to {tuple(full.shape)}")
+    out._layout.copy_own_rows(out._local, full)
+    _mark_written((out,))
+    return out
+
+
 @implements([aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default,
              aten.new_full.default, aten.new_ones.default])
 def _new_like(func, args, kwargs):
-    # AccumulateGrad clones a grad with new_empty_strided; a tensor of the global shape stays sharded.
+    """AccumulateGrad clones a grad with new_empty_strided; a tensor of the global shape stays sharded.  Not
+    ``new_empty``'s: ``nn.init.orthogonal_`` draws into one and transposes it in place (``t_``), which a shard
+    cannot do; its plain draw is written back through ``copy_``, which checks that the ranks drew alike."""
     self, size = args[0], tuple(args[1])
-    if size == tuple(self.shape) and not self._views:
+    if size == tuple(self.shape) and not self._views and func is not aten.new_empty.default:
         local_size = list(self._local.shape)
         rest = [local_size] + list(args[2:]) if func is not aten.new_empty_strided.default else \
             [local_size, list(torch.empty(local_size, device="meta").stride())]

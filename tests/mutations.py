@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "reshape_view_write_refused": Mutation(
+        "shardtensor/_dispatch/local.py", "_whole_base_reshape",
+        "    return (offset == 0 and shape.numel() == view._layout.shape.numel()",
+        "    return (offset == 0 and shape == view._layout.shape",
+        ("tests/test_composability.py::test_inits_after_sharding_equal_the_unsharded_init",)),
+    "row_write_ignores_later_views": Mutation(
+        "shardtensor/_dispatch/local.py", "_write_dim0_rows",
+        "            target = later.apply(target)", "            pass",
+        ("tests/test_composability.py::test_inits_after_sharding_equal_the_unsharded_init",)),
     "loaded_state_verdict_not_agreed": Mutation(
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
         "    if loaded and _comm.is_distributed() and _comm.world_size(group) > 1:", "    if False:",

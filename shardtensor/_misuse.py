@@ -110,16 +110,20 @@ class MaterializedCheck:
     def __call__(self, module: nn.Module) -> None:
         if self.done:
             return
-        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-            for name, t in named:
-                if t.is_meta:
-                    raise RuntimeError(
-                        f"shardtensor: {kind} {name!r} is on the meta device (the model was built under "
-                        "torch.device('meta') and never materialised), so forward would compute on uninitialised "
-                        "memory. Fix: call shardtensor.materialize(model) (or materialize(model, init_fn)) after "
-                        "shard_module and before the first forward."
-                    )
+        refuse_meta_tensors(module)
         self.done = True
+
+
+def refuse_meta_tensors(module: nn.Module) -> None:
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise RuntimeError(
+                    f"shardtensor: {kind} {name!r} is on the meta device (the model was built under "
+                    "torch.device('meta') and never materialised), so forward would compute on uninitialised "
+                    "memory. Fix: call shardtensor.materialize(model) (or materialize(model, init_fn)) after "
+                    "shard_module and before the first forward."
+                )
 
 
 # ------------------------------------------------------------------------------------- deferred gradient sync

@@ -222,6 +222,8 @@ def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
             checks()
             gatherer.step_begin()
+        else:  # traced once, keeping no state (a guard on it would recompile); the compiler's error named no fix
+            _misuse.refuse_meta_tensors(root)
         if param_dtype is None:
             return None
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}

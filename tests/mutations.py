@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "compiled_meta_model_unchecked": Mutation(
+        "shardtensor/api.py", "_step_begin_hook",
+        "            _misuse.refuse_meta_tensors(root)", "            pass",
+        ("tests/test_compile.py::test_a_compiled_meta_model_without_materialize_names_the_fix",)),
     "reshape_view_write_refused": Mutation(
         "shardtensor/_dispatch/local.py", "_whole_base_reshape",
         "    return (offset == 0 and shape.numel() == view._layout.shape.numel()",

@@ -237,3 +237,23 @@ def test_a_compiled_model_changed_after_sharding_is_named_at_the_step_before_any
     for rank, r in enumerate(run_on_ranks(2, changed_after_sharding_case, change, timeout=300)):
         assert want in r["error"] and "Fix:" in r["error"] and r["unchanged"], (rank, r)
         assert r.get("grad_sharded_now", True), (rank, r)
+
+
+def compiled_meta_model_case() -> str:
+    with torch.device("meta"):
+        model = _gpt(tied=True)
+    shardtensor.shard_module(model)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        _loss(run, _batches(dist.get_world_size())[0][dist.get_rank()]).backward()
+    except Exception as exc:  # noqa: BLE001 (the compiler wraps errors raised while it traces)
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_compiled_meta_model_without_materialize_names_the_fix():
+    # The compiled forward runs no eager root hook: the compiler failed with "Tensor device mismatch ... cpu and
+    # meta", naming no fix.  The traced hook reads the parameters' devices once, keeping no state.
+    for message in run_on_ranks(2, compiled_meta_model_case, timeout=300):
+        assert "is on the meta device" in message and "shardtensor.materialize(model)" in message, message
+

@@ -237,7 +237,7 @@ def _shard_parameter(param: nn.Parameter, fqn: str, group, gatherer: Gatherer, g
         return param
     if param.is_complex() or param.dim() == 0 or param.numel() < persist_numel:  # complex: replicated, averaged
         if _comm.world_size(group) > 1:
-            grad_sync.attach(param, handles, group=group)
+            grad_sync.attach(param, handles, group=group, name=fqn)
         return param
     if layout is None:
         layout = ShardLayout.for_shape(param.shape, group)

@@ -216,4 +216,4 @@ def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.devic
     torch.utils.swap_tensors(param, real)
     param._backward_hooks = None
     if (param.is_floating_point() or param.is_complex()) and _comm.world_size(state.group) > 1:
-        state.grad_sync.attach(param, state.hook_handles, group=state.group)
+        state.grad_sync.attach(param, state.hook_handles, group=state.group, name=fqn)

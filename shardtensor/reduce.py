@@ -162,6 +162,8 @@ class GradSync:
         self.pending_budget: Callable[[], int] = lambda: max_pending_bytes  # shard_module: the Gatherer's policy
         self._pending: list[PendingReduce] = []
         self._replicated: list[tuple[torch.Tensor, object]] = []  # (parameter, group): .grad averaged at the end
+        self._replicated_params: dict[int, tuple] = {}  # id -> (parameter, group, name), in registration order
+        self._finish_queued_for = None  # the backward (graph task) whose end-of-backward callback is queued
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
         self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable
@@ -169,22 +171,25 @@ class GradSync:
     # A parameter frozen at shard time (``requires_grad=False``) can take no hook (torch refuses one), and one
     # unfrozen later would otherwise train on its own full, unaveraged gradient.  So its hook is registered at the
     # first root forward that finds it trainable (``attach_unfrozen``).
-    def attach(self, param: torch.Tensor, handles: list, *, key: Optional[str] = None, group=None) -> None:
+    def attach(self, param: torch.Tensor, handles: list, *, key: Optional[str] = None, group=None,
+               name: str = "") -> None:
         """Register ``param``'s gradient hook: the sharded one (``key``: its name), or the replicated one
-        (``group``); now if it requires a gradient, else once it does."""
+        (``group``, ``name``); now if it requires a gradient, else once it does."""
+        if key is None:
+            self._replicated_params.setdefault(id(param), (param, group, name))
         if not param.requires_grad:
-            self._frozen[id(param)] = (param, key, group, handles)
+            self._frozen[id(param)] = (param, key, group, handles, name)
             return
         self._frozen.pop(id(param), None)
         if key is not None:
             handles.append(torch.Tensor.register_hook(param, self.sharded_grad_hook(param, key)))
         else:
-            handles.append(param.register_hook(self.replicated_grad_hook(group, param)))
+            handles.append(param.register_hook(self.replicated_grad_hook(group, param, name)))
 
     def attach_unfrozen(self) -> None:
         """Root forward: hook the parameters frozen at shard time that require a gradient now."""
-        for param, key, group, handles in [v for v in self._frozen.values() if v[0].requires_grad]:
-            self.attach(param, handles, key=key, group=group)
+        for param, key, group, handles, name in [v for v in self._frozen.values() if v[0].requires_grad]:
+            self.attach(param, handles, key=key, group=group, name=name)
 
     # [Note: overlapped gradient reduction]
     # The first gradient of a parameter in a backward is reduce-scattered asynchronously: the hook returns a
@@ -234,6 +239,8 @@ class GradSync:
                 return _grad_landing.zero_placeholder(param, grad)
             summed = self._with_deferred(key, grad)
             owned, grad = owned or summed is not grad, summed
+            if self._replicated_params:
+                self._queue_finish_once()  # the replicated gradients' reduction must run on every rank
             kept = self.units.take_grad(param, grad, owned) if self.units is not None else None
             if kept is not None:
                 return kept
@@ -246,26 +253,26 @@ class GradSync:
 
         return hook
 
-    def replicated_grad_hook(self, group, param: Optional[torch.Tensor] = None):
+    def replicated_grad_hook(self, group, param: Optional[torch.Tensor] = None, name: str = ""):
         """Parameters that stay whole on every rank (0-d, or below ``persist_numel``): gradients averaged like
         DDP's.  The first gradient of a backward is averaged with the others in one flat all-reduce at the end
-        of backward (the same safety rules as the overlapped reduce-scatter); the rest at once."""
+        of backward (the same safety rules as the overlapped reduce-scatter, see [Note: replicated gradients]);
+        the rest at once, each under its own name."""
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if param is not None and _grad_landing.captured_by_autograd_grad(param):  # this rank's own gradient
                 return grad
             key = f"replicated:{id(hook)}"
+            self._queue_finish_once()
             if not self.enabled:
                 return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))
             grad = self._with_deferred(key, grad.detach()).clone()
-            if (param is not None and param.grad is None and self.pending_budget() > 0
-                    and not _read_by_user_hooks(param)):
+            if param is not None and param.grad is None and not _read_by_user_hooks(param):
                 # AccumulateGrad copies a gradient someone else still references, so keep the parameter and
                 # average its .grad (this backward's gradient: it had none) at the end.
                 self._replicated.append((param, group))
-                self._queue_finish()
                 return grad
-            _comm.all_reduce(grad, group, op="avg")
+            _comm.all_reduce(grad, group, op="avg", label=f"average of the replicated gradient of {name!r}")
             return grad
 
         return hook
@@ -276,20 +283,57 @@ class GradSync:
         # callbacks find nothing pending and return.
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_pending)
 
+    def _queue_finish_once(self) -> None:
+        """``_queue_finish`` once per backward (graph task), marking that its end reduces the replicated gradients
+        (a failed backward's callback never ran; the next backward is another task)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._finish_queued_for:
+            self._finish_queued_for = task
+            self._queue_finish()
+
+    # [Note: replicated gradients]
+    # A replicated parameter's gradient is averaged like DDP's, at the end of backward: every trainable replicated
+    # parameter of the module, in registration order (the same on every rank), in one flat all-reduce per
+    # (group, dtype, device) with a has-gradient count per parameter.  A rank whose backward did not reach a
+    # parameter adds zeros; the mean is then the unsharded run's (an expert one rank's tokens skipped), and a
+    # parameter no rank reached keeps grad None.  The gradients in the order the hooks fired put one parameter's
+    # gradient beside another's where the ranks' data took different paths (an MoE's per-expert gains, two heads
+    # picked by the batch): averaged with each other, silently.
     def _finish_replicated(self) -> None:
-        """One all-reduce per (group, dtype) for every replicated gradient of this backward."""
+        if self._finish_queued_for is None:  # no gradient of this module in this backward (or done already)
+            return
+        self._finish_queued_for = None
         pending, self._replicated = self._replicated, []
+        reached = {id(param) for param, _ in pending}
         buckets: dict = {}
-        for param, group in pending:
-            grad = param.grad
-            buckets.setdefault((id(group), grad.dtype, grad.device), (group, []))[1].append(grad)
-        for group, grads in buckets.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            _comm.all_reduce(flat, group, op="avg")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        for param, group, name in self._replicated_params.values():
+            if param.requires_grad or id(param) in reached:
+                buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))
+        for group, params in buckets.values():
+            self._average_replicated(group, params, reached)
+
+    @torch.no_grad()
+    def _average_replicated(self, group, params: list, reached: set) -> None:
+        sizes = [param.numel() for param, _ in params]
+        total = sum(sizes)
+        flat = torch.zeros(total + len(params), dtype=params[0][0].dtype, device=params[0][0].device)
+        values, counts = flat[:total].split(sizes), flat[total:]
+        for k, (param, _) in enumerate(params):
+            if id(param) in reached:
+                values[k].copy_(param.grad.reshape(-1))
+                counts[k] = 1
+        _comm.all_reduce(flat, group, label=f"replicated gradients of {params[0][1]!r} and {len(params) - 1} more")
+        world = _comm.world_size(group)
+        for k, (param, _) in enumerate(params):
+            if counts[k] == 0:
+                continue  # no rank's backward reached it
+            mean = values[k].div_(world).view_as(param)
+            if id(param) in reached:
+                param.grad.copy_(mean)
+            elif param.grad is None:
+                param.grad = mean.clone()
+            else:
+                param.grad.add_(mean)
 
     # [Note: deferred gradient sync]
     # ``shardtensor.gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the

@@ -242,3 +242,74 @@ def writes_in_forward_case(mode: str, write: str) -> dict:
 def test_a_write_into_a_gathered_parameter_during_forward_is_seen_by_the_ops_after_it(mode, write):
     for rank, diffs in enumerate(run_on_ranks(2, writes_in_forward_case, mode, write, timeout=120)):
         assert diffs["outputs"] < 1e-12 and diffs["params"] < 1e-9, (rank, diffs)
+
+
+# ------------------------------------------------------------- replicated parameters on data-dependent paths
+class GainedExpert(nn.Module):
+    """An expert with a 0-d gain (ReZero style): always replicated, whatever ``persist_numel``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d, dtype=torch.float64)
+        self.gain = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.gain * self.lin(x)
+
+
+class GainedMoE(nn.Module):
+    def __init__(self, d: int = 6, experts: int = 4):
+        super().__init__()
+        self.experts = nn.ModuleList(GainedExpert(d) for _ in range(experts))
+        self.head_a, self.head_b = nn.Linear(d, 1, dtype=torch.float64), nn.Linear(d, 1, dtype=torch.float64)
+
+    def forward(self, x, experts, head):  # the experts in the order this rank's router listed them
+        for e in experts:
+            x = x + self.experts[e](x)
+        return (self.head_a if head == 0 else self.head_b)(x).square().mean()
+
+
+def replicated_paths_case(mode: str, persist_numel: int) -> dict:
+    """Replicated parameters (0-d gains; with ``persist_numel``, the biases and heads too) that each rank's data
+    reaches in another set and order: experts (2, 0) on even ranks, (0, 1) on odd ones (expert 3 on none), head
+    a or head b by rank."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    reference = GainedMoE()
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode, persist_numel=persist_numel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    routes = [((2, 0), 0) if r % 2 == 0 else ((0, 1), 1) for r in range(world)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xs = [torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(world)]
+        model(xs[rank], *routes[rank]).backward()
+        unused_grads = [model.experts[3].gain.grad, model.experts[3].lin.bias.grad]
+        opt.step()
+        opt.zero_grad()
+        sum(reference(x, *r) for x, r in zip(xs, routes)).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    return {"diffs": {k: (full[k] - v).abs().max().item() for k, v in reference.state_dict().items()},
+            "unused_grads": [g is None for g in unused_grads]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("persist_numel", [0, 50])
+def test_replicated_parameters_reached_differently_per_rank_train_like_the_unsharded_model(world, mode,
+                                                                                           persist_numel):
+    # Replicated gradients were averaged in the order their hooks fired (one flat all-reduce at the end of
+    # backward, or one per parameter in sequential mode): rank 0's expert-2 gain was averaged with rank 1's
+    # expert-1 gain, silently (0.1 off).  Now every replicated parameter, in registration order, with a
+    # has-gradient count.
+    for rank, result in enumerate(run_on_ranks(world, replicated_paths_case, mode, persist_numel, timeout=180)):
+        diffs = result["diffs"]
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < 1e-9, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
+        assert result["unused_grads"] == [True, True], (rank, result)  # no rank reached expert 3

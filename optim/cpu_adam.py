@@ -64,6 +64,7 @@ from ._batched import BatchedStepsMixin
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
     local_of, self_mastered, stage_grad
 from ._speculation import SpecPhase, SpeculationMixin
+from ._state_shards import as_shards, local_rows
 from .state_store import MOMENTS, HostStore, StateStore
 
 __all__ = ["CPUAdam", "SpeculationStats"]
@@ -354,16 +355,20 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         for i, state in list(sd["state"].items()):
             slot = self._slots.get(id(params[i]))
             copies = self._store.export(slot.index) if slot is not None else None
-            if copies:  # a new dict: torch packs the live per-parameter dicts, which must keep the store's tensors
-                sd["state"][i] = {**state, **copies}
+            # A new dict: torch packs the live per-parameter dicts, which must keep the store's tensors.
+            sd["state"][i] = as_shards({**state, **(copies or {})}, params[i])
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load; state re-homed on the CPU in fp32 from the given tensors (the base class casts to a bf16 param's)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        indices = [i for g in state_dict["param_groups"] for i in g["params"]]
+        rows = local_rows(type(self).__name__, [(p, state_dict["state"].get(i, {})) for p, i in zip(params, indices)])
+        given = {id(p): state for p, state in rows}
         self._abandon_speculation()
         self._store.reset()
-        given = dict(zip((id(p) for g in self.param_groups for p in g["params"]),
-                         (state_dict["state"].get(i, {}) for g in state_dict["param_groups"] for i in g["params"])))
+        state_dict = {**state_dict, "state": {**state_dict["state"], **{
+            i: state for i, (_, state) in zip(indices, rows) if i in state_dict["state"]}}}
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
             for key in (*MOMENTS, "master"):

@@ -14,8 +14,8 @@ the unpadded rows and, on load, copies the overlapping rows of whatever ranks sa
 resharding W -> W' is DCP's, and bit-exact (rows are copied, never recomputed).  Replicated scalars (Adam's
 ``step``) are saved once; per-rank state shaped like the local shard (CPUAdam's moments) is saved as shards too
 (see [Note: per-rank optimizer state]).  A user's own ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` +
-``set_state_dict`` works the same way on a sharded model with a torch optimizer, but not with CPUAdam: torch's
-helpers hand its per-rank moments to DCP as replicated tensors (use ``save_checkpoint`` / ``load_checkpoint``).
+``set_state_dict`` works the same way, with CPUAdam too: its ``state_dict()`` gives its moments as shards of
+their parameters (``optim/_state_shards.py``).
 
 Loads are all-or-nothing: see [Note: all-or-nothing loads] in ``checkpoint_verify.py``.
 """
@@ -104,7 +104,7 @@ def _present_shards(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict
                         f"{tuple(param.to_local().shape)}): DCP cannot tell whose rows it holds. Fix: keep per-shard "
                         "state in tensors of the local shard's shape (saved as shards) or as ShardedParams, or save "
                         "the optimizer's state_dict() per rank with torch.save and load it at the same world size")
-                values[key] = ShardedParam(value, param.shard_layout, name=f"{fqn}.{key}")
+                values[key] = ShardedParam.from_local(value, param.shard_layout, name=f"{fqn}.{key}")
                 wrapped.append(values[key])
     return state, wrapped
 

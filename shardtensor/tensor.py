@@ -91,6 +91,18 @@ class ShardedParam(torch.Tensor):
         layout = ShardLayout.for_shape(full.shape, group)
         return cls(layout.shard_of(full.detach()), layout, name=name, requires_grad=requires_grad)
 
+    @classmethod
+    def from_local(cls, local: torch.Tensor, layout: ShardLayout, *, name: str = "") -> "ShardedParam":
+        """This rank's (padded) rows ``local`` as a tensor of ``layout``, sharing ``local``'s memory: per-rank state
+        of a parameter's shard (an optimizer's moments) presented as shards of that parameter, so per-rank files
+        keep whose rows they are and ``torch.distributed.checkpoint`` saves and reshards them as it does the
+        parameter."""
+        if tuple(local.shape) != tuple(layout.local_shape()):
+            raise ValueError(f"ShardedParam.from_local: {name or 'tensor'} has shape {tuple(local.shape)}, but a "
+                             f"shard of {tuple(layout.shape)} on rank {layout.rank} of {layout.world} has "
+                             f"{tuple(layout.local_shape())}")
+        return cls(local, layout, name=name)
+
     def _derived(self, local: torch.Tensor, views: Optional[tuple] = None, gatherer: Any = None) -> "ShardedParam":
         """A tensor of this one's placement and name over ``local``: a view or alias (``views``, ``gatherer``), a
         shard-wise result (views kept) or a new tensor of the global shape (``views=()``).  Its device is this one's

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "cpu_adam_state_given_as_plain_rows": Mutation(
+        "optim/_state_shards.py", "as_shards",
+        "    if not is_sharded(param):", "    if True:",
+        ("tests/test_checkpoint_cpu_adam.py::"
+         "test_cpu_adam_state_through_torchs_own_dcp_helpers_and_per_rank_files_keeps_each_ranks_rows",)),
     "replicated_grads_in_hook_order": Mutation(
         "shardtensor/reduce.py", "_finish_replicated",
         "        for param, group, name in self._replicated_params.values():",

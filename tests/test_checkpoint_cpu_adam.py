@@ -48,7 +48,8 @@ def _local_state(model, opt) -> dict:
     for name, p in model.named_parameters():
         state = opt.state_dict()["state"][opt_index(opt, p)]
         out[name] = {"valid": p.shard_layout.valid_rows, "param": p.to_local().clone(),
-                     **{k: v.clone() for k, v in state.items()}}
+                     **{k: (v.to_local() if isinstance(v, shardtensor.ShardedParam) else v).clone()
+                        for k, v in state.items()}}
     return out
 
 
@@ -182,3 +183,53 @@ def test_the_public_optimizer_state_dict_gives_cpu_adam_moments_as_shards():
     # a plain per-rank tensor would reach DCP as replicated: one rank's moments saved for everyone
     for rank_out in run_on_ranks(2, public_state_dict_case):
         assert rank_out and all(is_d and full for is_d, full in rank_out.values()), rank_out
+
+
+def users_own_dcp_case(path: str, mode: str) -> dict:
+    """torch's ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict`` (the README's own-DCP path),
+    and per-rank ``torch.save(opt.state_dict())`` files, with CPUAdam."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank = torch.distributed.get_rank()
+    model = shardtensor.shard_module(_model(0 if mode == "save" else 1, torch.float32))
+    opt = CPUAdam(model.parameters(), lr=1e-2, speculative=False)
+    if mode == "save":
+        _train(model, opt, 2, 0, torch.float32)
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        torch.save(opt.state_dict(), f"{path}-rank{rank}.pt")
+        return {"state": _local_state(model, opt)}
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out = {"state": _local_state(model, opt)}
+    try:
+        opt.load_state_dict(torch.load(f"{path}-rank0.pt", weights_only=True))  # rank 0's file, on every rank
+        out["rank0_file"] = "no error"
+    except RuntimeError as exc:
+        out["rank0_file"] = str(exc)
+    out["after_refusal"] = _local_state(model, opt)
+    opt.load_state_dict(torch.load(f"{path}-rank{rank}.pt", weights_only=True))
+    out["own_file"] = _local_state(model, opt)
+    return out
+
+
+def test_cpu_adam_state_through_torchs_own_dcp_helpers_and_per_rank_files_keeps_each_ranks_rows(tmp_path):
+    # CPUAdam's moments are plain per-rank tensors: torch's helpers handed them to DCP as replicated, which saved
+    # rank 0's and loaded them into every rank (rank 1 then stepped with rank 0's moments, silently), and rank
+    # 0's per-rank file loaded on rank 1.  Its state_dict() now gives them as shards of their parameters.
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(2, users_own_dcp_case, path, "save")
+    loaded = run_on_ranks(2, users_own_dcp_case, path, "load")
+    assert any(not torch.equal(saved[0]["state"][n]["exp_avg"], saved[1]["state"][n]["exp_avg"])
+               for n in saved[0]["state"]), "the ranks' moments must differ, or the test shows nothing"
+    for rank in range(2):
+        _assert_equal(loaded[rank]["state"], saved[rank]["state"], f"rank {rank} after dcp.load")
+        _assert_equal(loaded[rank]["after_refusal"], saved[rank]["state"], f"rank {rank} after a refused load")
+        _assert_equal(loaded[rank]["own_file"], saved[rank]["state"], f"rank {rank} after its own file")
+        want = "holds rank 0's rows" if rank == 1 else "another rank's state is not its own rows"
+        assert want in loaded[rank]["rank0_file"] and "Nothing was loaded" in loaded[rank]["rank0_file"], \
+            (rank, loaded[rank]["rank0_file"])
+

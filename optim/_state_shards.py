@@ -1,0 +1,64 @@
+"""CPUAdam's per-rank state in its state dicts: shards of the parameters, so whose rows they are is kept.
+
+CPUAdam keeps each moment (and an fp32 master) as a plain tensor of its parameter's local shard shape: this
+rank's rows.  Given to ``torch.save`` per rank, or to ``torch.distributed.checkpoint`` through torch's
+``get_state_dict`` helpers, a plain tensor says nothing of whose rows it holds: DCP takes it for a replicated
+tensor, saves one rank's copy and loads it into every rank (every other rank then steps with rank 0's moments,
+silently), and rank 0's per-rank file loads on rank 1.  So ``state_dict()`` presents them as ShardedParams of the
+parameter's layout (``ShardedParam.from_local``: no copy), which DCP saves and reshards as it does the
+parameter, and ``load_state_dict`` takes back this rank's rows, refusing another rank's on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shardtensor import _comm
+
+from ._slots import is_sharded
+
+
+def as_shards(state: dict, param: torch.Tensor) -> dict:
+    """``state`` (one parameter's) with its tensors of the local shard's shape as shards of ``param``."""
+    if not is_sharded(param):
+        return state
+    from shardtensor.tensor import ShardedParam  # noqa: PLC0415 (see _slots.is_sharded)
+
+    local_shape = param.to_local().shape
+    return {key: ShardedParam.from_local(value, param.shard_layout, name=key)
+            if type(value) is torch.Tensor and value.dim() > 0 and value.shape == local_shape else value
+            for key, value in state.items()}
+
+
+def local_rows(optimizer_name: str, states: list) -> list:
+    """The given per-parameter states (``(param, state)``) with shards replaced by this rank's rows.  A shard of
+    another rank or world size is refused on every rank, before anything is loaded (one flag all-reduce, only
+    where the states hold shards): rank 0's own file would load on rank 0 alone."""
+    refusal: Optional[str] = None
+    group, shards_given = None, False
+    for param, state in states:
+        for key, value in state.items():
+            if not is_sharded(value) or not is_sharded(param):
+                continue
+            shards_given, group = True, param.shard_layout.group
+            saved, here = value.shard_layout, param.shard_layout
+            if refusal is None and ((saved.rank, saved.world) != (here.rank, here.world) or saved.shape != here.shape):
+                refusal = (f"{optimizer_name}.load_state_dict: state {key!r} holds rank {saved.rank}'s rows of a "
+                           f"{tuple(saved.shape)} tensor of a {saved.world}-rank run, but its parameter is "
+                           f"{tuple(here.shape)} on rank {here.rank} of {here.world}: another rank's or another "
+                           "run's file. Nothing was loaded on any rank. Fix: load each rank's own file on that rank "
+                           "at the same world size, or shardtensor.save_checkpoint / load_checkpoint (any world "
+                           "size).")
+    if shards_given and _comm.is_distributed() and _comm.world_size(group) > 1:
+        flag = torch.tensor([float(refusal is not None)])
+        _comm.all_reduce(flag, group, op="max", label=f"{optimizer_name}.load_state_dict: the ranks' verdicts")
+        if flag.item() and refusal is None:
+            refusal = (f"{optimizer_name}.load_state_dict: another rank's state is not its own rows (its error "
+                       "names it). Nothing was loaded on any rank: a load on some ranks only would leave the ranks' "
+                       "moments from different runs. Fix: load each rank's own file on that rank, or "
+                       "shardtensor.save_checkpoint / load_checkpoint.")
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    return [(param, {k: v.to_local() if is_sharded(v) else v for k, v in state.items()}) for param, state in states]

@@ -273,6 +273,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
             state[_OPTIM], wrapped = _present_shards(optimizer,
                                                      _optimizer_state_dict(module, optimizer, to_load_into=True))
             _check_param_groups(metadata, optimizer, state[_OPTIM], path)
+        _leave_out_what_was_never_saved(metadata, state, strict)
         _check_against_metadata(metadata, state, strict)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
         error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
@@ -286,7 +287,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     # The tensors were loaded in place; these put back what DCP replaced instead (non-tensor values, the optimizer's
     # hyper-parameters).  Not strict for the optimizer: a parameter that never had a gradient has no state, in
     # the checkpoint or here, and that is no reason to fail half way through a load.
-    set_model_state_dict(module, state[_MODEL])
+    set_model_state_dict(module, state[_MODEL], options=StateDictOptions(strict=strict))
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, _unwrap_shards(state[_OPTIM], wrapped),
                                  options=StateDictOptions(strict=False))
@@ -346,6 +347,22 @@ def _check_param_groups(metadata, optimizer: torch.optim.Optimizer, optim_state:
                 + ", so the saved groups' settings and state would land on other parameters (a group could lose its "
                 "lr). Fix: build the optimizer's param groups as they were when the checkpoint was saved (each "
                 "saved group's parameters in one group, in the same order of groups).")
+
+
+def _leave_out_what_was_never_saved(metadata, state: dict, strict: bool) -> None:
+    """A parameter with no optimizer state in the checkpoint (no gradient before the save: an unused head, an
+    expert no token reached, a save before the first step) starts fresh, as ``optimizer.load_state_dict`` of
+    such a file leaves it; with ``strict=False`` a model tensor the checkpoint lacks (a head added for
+    fine-tuning) keeps its value.  State the checkpoint holds only part of is still refused."""
+    saved = metadata.state_dict_metadata
+    if not strict:
+        for key in [k for k in state[_MODEL] if f"{_MODEL}.{k}" not in saved]:
+            del state[_MODEL][key]
+    optim_state = state.get(_OPTIM, {}).get("state", {})
+    for fqn in list(optim_state):
+        keys = [f"{_OPTIM}.state.{fqn}.{k}" for k, v in optim_state[fqn].items() if isinstance(v, torch.Tensor)]
+        if keys and not any(key in saved for key in keys):
+            del optim_state[fqn]
 
 
 def _check_against_metadata(metadata, state: dict, strict: bool) -> None:

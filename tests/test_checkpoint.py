@@ -458,3 +458,65 @@ def test_a_checkpoint_directory_some_rank_cannot_read_back_is_named_on_every_ran
     for message in run_on_ranks(2, unshared_directory_case, str(tmp_path / "ckpt")):
         assert "CheckpointError" in message and "rank 1 cannot read the checkpoint" in message, message
         assert "shares" in message
+
+
+class _WithSpareHead(nn.Module):
+    """A trunk, and a head the first phase of training never uses (an auxiliary head, an expert no token
+    reached): it has no optimizer state when the checkpoint is saved."""
+
+    def __init__(self, seed: int, new_head: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk, self.spare = nn.Sequential(nn.Linear(6, 7), nn.Tanh()), nn.Linear(7, 3)
+        if new_head:  # added for fine-tuning after the save
+            self.new = nn.Linear(7, 2)
+
+    def forward(self, x, heads):
+        h = self.trunk(x)
+        return sum(getattr(self, name)(h).square().mean() for name in heads)
+
+
+def never_saved_case(path: str, mode: str) -> dict:
+    """mode "reference": 2 steps on the trunk, 1 step using the spare head too.  "save": the 2 steps, saved.
+    "load": fresh processes, a fresh model (other values) and optimizer, the load, then the third step;
+    "load-new-head": the same into a model with one more head, ``strict=False``."""
+    model = shardtensor.shard_module(_WithSpareHead(0 if mode in ("reference", "save") else 1,
+                                                    new_head=mode == "load-new-head"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    new_head_before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items() if k.startswith("new.")}
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 6, generator=gen) for _ in range(3)]
+    if mode.startswith("load"):
+        shardtensor.load_checkpoint(path, model, opt, strict=mode == "load")
+    else:
+        for x in batches[:2]:
+            model.trunk(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if mode == "save":
+            shardtensor.save_checkpoint(path, model, opt)
+    stateless = sorted(n for n, p in model.named_parameters() if p not in opt.state)
+    model.trunk(batches[2]).square().mean().add(model(batches[2], ["spare"])).backward()
+    opt.step()
+    full = shardtensor.full_state_dict(model)
+    return {"stateless": stateless, "after": {k: v for k, v in full.items() if not k.startswith("new.")},
+            "new_head_kept": all(torch.equal(full[k], v) for k, v in new_head_before.items()) and
+            (mode != "load-new-head" or len(new_head_before) == 2)}
+
+
+def test_a_parameter_without_saved_optimizer_state_starts_fresh_and_strict_false_keeps_new_tensors(tmp_path):
+    # load_checkpoint gave a fresh optimizer zero state for every parameter, then required all of it in the
+    # checkpoint: a resume with an unused head was refused ("... is not in the checkpoint; was it saved from
+    # another model?"), and strict=False refused a model with a head added after the save.
+    path = str(tmp_path / "ckpt")
+    reference = run_on_ranks(2, never_saved_case, path, "reference")
+    run_on_ranks(2, never_saved_case, path, "save")
+    for mode in ("load", "load-new-head"):
+        for rank, got in enumerate(run_on_ranks(2, never_saved_case, path, mode)):
+            want = reference[rank]
+            extra = ["new.bias", "new.weight"] if mode == "load-new-head" else []
+            assert got["stateless"] == sorted(want["stateless"] + extra), (mode, rank, got["stateless"])
+            assert got["new_head_kept"], (mode, rank)
+            for key, value in want["after"].items():  # the third step as in the run that never stopped
+                assert torch.equal(got["after"][key], value), (mode, rank, key)
+

@@ -115,9 +115,10 @@ def take_rank0_values(named: list, group, what: str = "shard_module") -> None:
         for name, p in named:
             contiguous = p.is_contiguous()
             buffer = p.detach() if contiguous else p.detach().contiguous()  # the former shares p's storage
+            buffer = buffer.view(torch.uint8) if buffer.dtype == torch.bool else buffer  # (gloo has no bool)
             _comm.broadcast(buffer, 0, group, label=f"{what}: rank 0's values of {name!r}")
             if not contiguous:
-                p.detach().copy_(buffer)
+                p.detach().copy_(buffer.view(p.dtype))
 
 
 def take_rank0_draw(param, full: torch.Tensor) -> None:

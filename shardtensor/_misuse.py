@@ -184,7 +184,7 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
     not an error: every rank takes rank 0's (see [Note: rank 0's weights] in ``_agreement``)."""
     if _comm.world_size(group) == 1:
         return
-    named = list(module.named_parameters())
+    named = list(module.named_parameters()) + [(f"buffer {n}", b) for n, b in module.named_buffers()]
     fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
     plan = (_comm.world_size(group), _comm.group_ranks(group))
     values = [_sample_digest(p) for _, p in named]
@@ -213,9 +213,9 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
               if digest and any(other[3][k] and other[3][k] != digest for other in everyone)]
     if differ:
         take_rank0_values([named[k] for k in differ], group)  # see [Note: rank 0's weights] in _agreement
-        log.info("shard_module: %d parameters (first %r) held other values on other ranks (no torch.manual_seed, "
-                 "or a seed per rank, before building the model): every rank took rank 0's, as DDP does.",
-                 len(differ), named[differ[0]][0])
+        log.info("shard_module: %d parameters or buffers (first %r) held other values on other ranks (no "
+                 "torch.manual_seed, or a seed per rank, before building the model): every rank took rank 0's, as "
+                 "DDP does.", len(differ), named[differ[0]][0])
 
 
 def _first_difference(mine: list, other: list, other_rank: int) -> str:

@@ -108,17 +108,31 @@ def different_values(how: str) -> dict:
     if how == "one_element" and rank == 1:            # torch seeds each process at random)
         with torch.no_grad():
             model[2].bias[1] += 1e-3  # weights loaded on some ranks only, or edited on one
+
+    def buffers(m):  # drawn in an __init__ (a fixed random projection, a mask), persistent or not
+        m.register_buffer("projection", torch.randn(3, 3))
+        m.register_buffer("mask", torch.rand(5) > 0.5, persistent=False)
+        m.register_buffer("order", torch.randperm(6))
+
+    if how == "seed":
+        buffers(model)
     shardtensor.shard_module(model)
     full = shardtensor.full_state_dict(model)
-    rank0 = _mlp(seed=0).state_dict()
-    return {k: torch.equal(v, rank0[k]) for k, v in full.items()}
+    full.update({f"buffer {k}": v for k, v in model.named_buffers()})
+    rank0 = _mlp(seed=0)
+    if how == "seed":
+        buffers(rank0)
+    want = {**rank0.state_dict(), **{f"buffer {k}": v for k, v in rank0.named_buffers()}}
+    return {k: torch.equal(v, want[k]) for k, v in full.items()}
 
 
 @pytest.mark.parametrize("how", ["seed", "one_element"])
 def test_ranks_with_different_weights_all_take_rank_0s_at_shard_module(how):
-    """Each rank kept its own rows: a patchwork of the ranks' models, and replicated parameters never agreed."""
+    """Each rank kept its own rows: a patchwork of the ranks' models, and replicated parameters never agreed.
+    Buffers drawn in an ``__init__`` were each rank's own (each rank computed another function, silently)."""
     for rank, same in enumerate(run_on_ranks(2, different_values, how)):
         assert all(same.values()), (rank, same)
+        assert how != "seed" or {"buffer projection", "buffer mask", "buffer order"} <= same.keys(), same
 
 
 def test_the_weight_digest_samples_both_ends_of_a_large_tensor():

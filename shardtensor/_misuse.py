@@ -177,6 +177,19 @@ def _deferred_name(grad_sync, key: str) -> str:
     return f"a replicated parameter of shape {tuple(param.shape)}" if param is not None else "a replicated parameter"
 
 
+def refuse_uninitialized_parameters(module: nn.Module) -> None:
+    """A lazy module's parameter has no shape until its first forward, so it has no rows to split; torch's own
+    error would come from deep inside the plan check and not say what to do."""
+    from torch.nn.parameter import UninitializedParameter
+
+    for name, param in module.named_parameters():
+        if isinstance(param, UninitializedParameter):
+            raise ValueError(
+                f"shard_module: parameter {name!r} is uninitialized (a lazy module such as nn.LazyLinear has no "
+                "shape before its first forward). Fix: run one forward with a sample batch before shard_module, "
+                "or give the module its input size.")
+
+
 # ------------------------------------------------------------------------------------------- every rank alike
 def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> None:
     """Different models (or sharding settings) on different ranks would make the gathers disagree (a hang or
@@ -259,6 +272,15 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
             "silently stop being averaged across ranks. Fix: move or convert the model before shard_module (or "
             "shard a fresh model and load shardtensor.full_state_dict into it); functional_call takes the sharded "
             "parameters themselves.")
+
+
+def rehook_swapped(owners: list, impls: dict) -> None:
+    """Root forward post-hook: a conversion that changed nothing, run inside the forward (a module that does
+    ``self.classifier = self.classifier.to(self.dtype)`` in every forward), swapped contents after the pre-hook
+    looked; its hooks must be back before the backward reaches it."""
+    for submodule, name, param in owners:
+        if impls.get(id(param), param._cdata) != param._cdata and submodule._parameters.get(name) is param:
+            _rehook_after_swap(param, impls)
 
 
 def _rehook_after_swap(param, impls: dict) -> None:

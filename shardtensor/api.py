@@ -108,7 +108,7 @@ def shard_module(
             "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
         )
     _refuse_parameters_sharded_elsewhere(module)
-    _refuse_uninitialized_parameters(module)
+    _misuse.refuse_uninitialized_parameters(module)
     _refuse_sparse_embeddings(module)
     _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
     _misuse.refuse_shared_reducer(reducer, module)
@@ -157,6 +157,7 @@ def shard_module(
 
     step_begin = _step_begin_hook(module, gatherer, param_dtype, owners, grad_sync)
     handles.append(module.register_forward_pre_hook(_misuse.PickleRefusingHook(step_begin), with_kwargs=True))
+    handles.append(module.register_forward_hook(_misuse.PickleRefusingHook(step_begin.after_forward)))
     _hook_loads(module, names, handles)
     attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
@@ -218,6 +219,10 @@ def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[
 
     gatherer.step_checks = _misuse.PickleRefusingHook(checks)  # pickling the model reaches it: named refusal
 
+    def after_forward(module, args, output) -> None:  # a no-op .to() inside forward (transformers' Switch router)
+        if not torch.compiler.is_compiling():
+            _misuse.rehook_swapped(owners, impls)
+
     def hook(module, args, kwargs):
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)
             checks()
@@ -228,6 +233,7 @@ def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[
             return None
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
+    hook.after_forward = after_forward
     return hook
 
 
@@ -284,19 +290,6 @@ def _hook_loads(module: nn.Module, names: dict, handles: list) -> None:
             handles.append(submodule.register_load_state_dict_pre_hook(
                 functools.partial(_agreement.agree_on_load, below[module_name], module_name == "")))
     handles.append(module.register_load_state_dict_post_hook(_agreement.loaded))
-
-
-def _refuse_uninitialized_parameters(module: nn.Module) -> None:
-    """A lazy module's parameter has no shape until its first forward, so it has no rows to split; torch's own
-    error would come from deep inside the plan check and not say what to do."""
-    from torch.nn.parameter import UninitializedParameter
-
-    for name, param in module.named_parameters():
-        if isinstance(param, UninitializedParameter):
-            raise ValueError(
-                f"shard_module: parameter {name!r} is uninitialized (a lazy module such as nn.LazyLinear has no "
-                "shape before its first forward). Fix: run one forward with a sample batch before shard_module, "
-                "or give the module its input size.")
 
 
 def _refuse_sparse_embeddings(module: nn.Module) -> None:

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "swap_inside_forward_not_rehooked": Mutation(
+        "shardtensor/api.py", "_step_begin_hook",
+        "            _misuse.rehook_swapped(owners, impls)", "            pass",
+        ("tests/test_reliability.py::test_a_conversion_that_changes_nothing_keeps_training_right",)),
     "buffers_kept_per_rank": Mutation(
         "shardtensor/_misuse.py", "check_same_model_on_every_rank",
         '    named = list(module.named_parameters()) + [(f"buffer {n}", b) for n, b in module.named_buffers()]',

@@ -69,16 +69,29 @@ def test_module_converted_after_sharding_fails_at_the_next_forward(convert):
         model(torch.randn(2, 3))
 
 
+class _ConvertsInForward(nn.Module):
+    """transformers' Switch router runs ``self.classifier = self.classifier.to(self.dtype)`` in every forward."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        self.net[2] = self.net[2].to(torch.float32)
+        return self.net(x)
+
+
 def trains_after_a_no_op_conversion(convert: str, gather: str) -> float:
     """Two SGD steps after a conversion that changes nothing, with a user's clamping hook: off from unsharded."""
     rank, world = _comm.rank(), _comm.world_size()
-    reference = _mlp()
+    reference = _ConvertsInForward(_mlp()) if convert == "inside_forward" else _mlp()
     model = shardtensor.shard_module(copy.deepcopy(reference), gather=gather)
     for p, q in zip(model.parameters(), reference.parameters()):
         p.register_hook(lambda g: g.clamp(-0.05, 0.05))
         q.register_hook(lambda g: g.clamp(-0.05, 0.05))
     {"float": model.float, "to_cpu": lambda: model.to("cpu"), "to_float32": lambda: model.to(torch.float32),
-     "to_device": lambda: model.to(torch.device("cpu")), "share_memory": model.share_memory}[convert]()
+     "to_device": lambda: model.to(torch.device("cpu")), "share_memory": model.share_memory,
+     "inside_forward": lambda: None}[convert]()
     assert convert != "share_memory" or all(p.to_local().is_shared() and p.is_shared() for p in model.parameters())
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
     batch = torch.randn(4 * world, 3, generator=torch.Generator().manual_seed(1))
@@ -93,13 +106,16 @@ def trains_after_a_no_op_conversion(convert: str, gather: str) -> float:
     return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
-@pytest.mark.parametrize("convert", ["float", "to_cpu", "to_float32", "to_device", "share_memory"])
+@pytest.mark.parametrize("convert", ["float", "to_cpu", "to_float32", "to_device", "share_memory",
+                                     "inside_forward"])
 def test_a_conversion_that_changes_nothing_keeps_training_right(convert):
     """``nn.Module._apply`` swaps a tensor subclass's contents even when nothing changes: the new C++ tensor had
     no gradient hooks, so each rank's full local gradient landed unreduced (clip norms differed per rank).
-    ``share_memory()`` crashed the process (SIGSEGV: a wrapper has no storage); it shares each rank's rows."""
-    for off in run_on_ranks(2, trains_after_a_no_op_conversion, convert, "overlapped"):
-        assert off < 1e-6, off
+    ``share_memory()`` crashed the process (SIGSEGV: a wrapper has no storage); it shares each rank's rows.
+    Inside the forward (after the root's pre-hook looked) every step was refused: the model could not train."""
+    for gather in ("overlapped", "sequential") if convert == "inside_forward" else ("overlapped",):
+        for off in run_on_ranks(2, trains_after_a_no_op_conversion, convert, gather):
+            assert off < 1e-6, (gather, off)
 
 
 def different_values(how: str) -> dict:

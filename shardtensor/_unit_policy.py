@@ -12,13 +12,14 @@ from torch import nn
 
 UnitPolicy = Union[None, bool, Sequence[type], Callable[[nn.Module], bool]]
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
+_EXPERT_LISTS = (*_CONTAINERS, nn.ModuleDict)  # transformers' SwitchTransformersExperts is a ModuleDict
 
 
 def _data_dependent(module: nn.Module) -> bool:
     """An MoE layer, whose forward uses the experts its data chooses: an expert list, or experts stacked in the
     module's own parameters and indexed per expert (transformers' ``MixtralExperts``: a class named *Experts*)."""
     own = "experts" in type(module).__name__.lower() and next(module.parameters(recurse=False), None) is not None
-    return own or any(isinstance(child, _CONTAINERS) and "expert" in name.lower()
+    return own or any(isinstance(child, _EXPERT_LISTS) and "expert" in name.lower()
                       for name, child in module.named_children())
 
 

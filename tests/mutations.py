@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "expert_dict_not_a_unit": Mutation(
+        "shardtensor/_unit_policy.py", "_data_dependent",
+        '    return own or any(isinstance(child, _EXPERT_LISTS) and "expert" in name.lower()',
+        '    return own or any(isinstance(child, _CONTAINERS) and "expert" in name.lower()',
+        ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",)),
     "swap_inside_forward_not_rehooked": Mutation(
         "shardtensor/api.py", "_step_begin_hook",
         "            _misuse.rehook_swapped(owners, impls)", "            pass",

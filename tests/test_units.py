@@ -66,6 +66,24 @@ class BareMoE(MoE):
         return super().forward(x, route).square().mean()
 
 
+class DictMoE(nn.Module):
+    """Experts in an ``nn.ModuleDict`` (transformers' ``SwitchTransformersExperts``, keyed ``expert_0``...)."""
+
+    def __init__(self, dim: int = 6, experts: int = 3):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, dtype=torch.float64)
+        self.experts = nn.ModuleDict({f"expert_{e}": nn.Linear(dim, dim, dtype=torch.float64)
+                                      for e in range(experts)})
+
+    def forward(self, x, route):
+        out = self.router(x).softmax(-1)[:, :1] * x
+        for e, expert in enumerate(self.experts.values()):
+            mask = route == e
+            if mask.any():
+                out = out.index_put((mask,), expert(x[mask]), accumulate=True)
+        return out.square().mean()
+
+
 class StackedExperts(nn.Module):
     """Experts as slices of one parameter, indexed only for routed tokens (transformers v5's MixtralExperts)."""
 
@@ -88,7 +106,7 @@ def train_and_compare(mode: str, routes: tuple, model_kind: str, units=None) -> 
     import shardtensor
 
     torch.manual_seed(0)
-    reference = {"net": Net, "bare": lambda: BareMoE(6), "stacked": StackedExperts}[model_kind]()
+    reference = {"net": Net, "bare": lambda: BareMoE(6), "stacked": StackedExperts, "dict": DictMoE}[model_kind]()
     model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode, units=units)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
@@ -108,7 +126,7 @@ def train_and_compare(mode: str, routes: tuple, model_kind: str, units=None) -> 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("routes", ROUTES.values(), ids=ROUTES.keys())
-@pytest.mark.parametrize("model_kind", ["net", "bare", "stacked"])
+@pytest.mark.parametrize("model_kind", ["net", "bare", "stacked", "dict"])
 def test_expert_loop_trains_like_the_unsharded_model(mode, routes, model_kind):
     for rank, diffs in enumerate(run_on_ranks(2, train_and_compare, mode, routes, model_kind, timeout=120)):
         worst = max(diffs, key=diffs.get)

@@ -354,33 +354,40 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
     Everything is checked before anything is copied, so a bad state dict leaves the model as it was: missing and
     unexpected keys (when ``strict``), non-tensor values, shapes, and dtypes (``load_state_dict`` would cast a
     float64 or integer tensor silently; a checkpoint of another dtype is more often the wrong file than a wish).
+    The verdicts are agreed (one flag all-reduce): a file bad on one rank only is refused on every rank.
     """
-    own = module.state_dict()
+    error = _full_state_dict_error(module.state_dict(), state_dict, strict)
+    group = getattr(getattr(module, "_shardtensor", None), "group", None)
+    if _comm.is_distributed() and _comm.world_size(group) > 1:
+        flag = torch.tensor([float(bool(error))])
+        _comm.all_reduce(flag, group, op="max", label="load_full_state_dict: the ranks' verdicts")
+        error = error or ("load_full_state_dict: another rank refused its state dict (its error names the key); "
+                          "nothing was copied on any rank." if flag.item() else "")
+    if error:
+        raise ValueError(error)
+    return module.load_state_dict(state_dict, strict=strict)
+
+
+def _full_state_dict_error(own: dict, state_dict: dict, strict: bool) -> str:
     if strict:
         missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
         if missing or unexpected:
-            raise ValueError(
-                f"load_full_state_dict: keys do not match the model: missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                f"{'...' if len(unexpected) > 5 else ''}. Fix: load the checkpoint of this architecture, or pass "
-                "strict=False to load the matching keys only."
-            )
+            return (f"load_full_state_dict: keys do not match the model: missing {missing[:5]}"
+                    f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                    f"{'...' if len(unexpected) > 5 else ''}. Fix: load the checkpoint of this architecture, or pass "
+                    "strict=False to load the matching keys only.")
     for key, value in state_dict.items():
         if key not in own:
             continue
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"load_full_state_dict: {key!r} is a {type(value).__name__}, not a tensor")
+            return f"load_full_state_dict: {key!r} is a {type(value).__name__}, not a tensor"
         if tuple(own[key].shape) != tuple(value.shape):
-            raise ValueError(
-                f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but "
-                f"{tuple(own[key].shape)} in the model"
-            )
+            return (f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but "
+                    f"{tuple(own[key].shape)} in the model")
         if own[key].dtype != value.dtype:
-            raise ValueError(
-                f"load_full_state_dict: {key!r} is {value.dtype} in the state dict but {own[key].dtype} in the "
-                f"model. Fix: cast it first if that is intended ({{k: v.to(dtype) ...}})."
-            )
-    return module.load_state_dict(state_dict, strict=strict)
+            return (f"load_full_state_dict: {key!r} is {value.dtype} in the state dict but {own[key].dtype} in the "
+                    f"model. Fix: cast it first if that is intended ({{k: v.to(dtype) ...}}).")
+    return ""
 
 
 def gather_stats(module: nn.Module) -> dict[str, int]:

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "full_state_dict_verdicts_not_agreed": Mutation(
+        "shardtensor/api.py", "load_full_state_dict",
+        "    if _comm.is_distributed() and _comm.world_size(group) > 1:", "    if False:",
+        ("tests/test_reliability.py::test_a_full_state_dict_bad_on_one_rank_is_refused_on_every_rank",)),
     "expert_dict_not_a_unit": Mutation(
         "shardtensor/_unit_policy.py", "_data_dependent",
         '    return own or any(isinstance(child, _EXPERT_LISTS) and "expert" in name.lower()',

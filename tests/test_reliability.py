@@ -301,6 +301,33 @@ def test_bad_state_dicts_are_refused_before_anything_is_copied():
     assert torch.equal(shardtensor.full_state_dict(model)["0.weight"], good["0.weight"])
 
 
+def bad_on_one_rank_case() -> dict:
+    rank = _comm.rank()
+    model = shardtensor.shard_module(_mlp())
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+    good = {k: v + 1 for k, v in before.items()}
+    mine = {**good, "2.weight": torch.zeros(2, 4)} if rank == 1 else good  # rank 1's copy is another config's
+    try:
+        shardtensor.load_full_state_dict(model, mine)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(v, before[k]) for k, v in shardtensor.full_state_dict(model).items())
+    shardtensor.load_full_state_dict(model, good)  # the ranks are still in step: the next load and step work
+    model(torch.randn(2, 3)).sum().backward()
+    loaded = all(torch.equal(v, good[k]) for k, v in shardtensor.full_state_dict(model).items())
+    return {"message": message, "unchanged": unchanged, "loaded": loaded}
+
+
+def test_a_full_state_dict_bad_on_one_rank_is_refused_on_every_rank():
+    # The bad rank raised its own ValueError before the load's exchange, the other a DivergenceError, and the
+    # ranks were out of step for good (the next step raised DivergenceError / CollectiveError).
+    results = run_on_ranks(2, bad_on_one_rank_case)
+    assert "'2.weight' has shape (2, 4)" in results[1]["message"], results
+    assert "another rank refused its state dict" in results[0]["message"], results
+    assert all(r["unchanged"] and r["loaded"] for r in results), results
+
+
 # ============================================================== debugging safety
 def _no_communication(*args, **kwargs):
     raise AssertionError("a debugging operation tried to communicate")

@@ -22,6 +22,7 @@ job that runs its host far ahead of the kernels would feel; no GPU figure exists
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -98,6 +99,7 @@ class _Position:
 
 
 _positions: dict = {}  # id(group) -> _Position
+_steps_left_out = False  # see steps_left_out
 _crc_cache: dict = {}
 _stats = [0, 0.0]  # identity checks passed, seconds spent in them (see identity_check_stats)
 
@@ -232,8 +234,9 @@ def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gathe
     started = time.perf_counter()
     world = dist.get_world_size(group)
     dtype_code = _crc(str(tensor.dtype))
-    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code, pos.steps,
-                         pos.settings], dtype=torch.int64)
+    steps, settings = (pos.steps, pos.settings) if not _steps_left_out else (0, 0)
+    mine = torch.tensor([pos.seq, _crc(kind), _crc(label), tensor.numel(), dtype_code, steps, settings],
+                        dtype=torch.int64)
     everyone = torch.empty(world * _FIELDS, dtype=torch.int64)
     all_gather(everyone, mine, group, f"identity check before {pos.label}", pos.seq)
     if torch.equal(everyone.view(world, _FIELDS), mine.expand(world, _FIELDS)):
@@ -260,6 +263,32 @@ def count_optimizer_step(group, settings: int = 0) -> None:
     pos = position(group)
     pos.steps += 1
     pos.settings = zlib.crc32(f"{pos.settings}:{settings}".encode()) - (1 << 31)
+
+
+def step_record(group) -> tuple:
+    """This rank's optimizer steps over ``group``'s sharded parameters and the digest of their settings."""
+    pos = position(group)
+    return pos.steps, pos.settings
+
+
+@contextlib.contextmanager
+def steps_left_out():
+    """Collectives whose records leave the step counts out: ``shard_module``'s plan check, which compares them
+    itself (see ``take_step_record``)."""
+    global _steps_left_out
+    _steps_left_out = True
+    try:
+        yield
+    finally:
+        _steps_left_out = False
+
+
+def take_step_record(group, record: tuple) -> None:
+    """Start from ``record`` (rank 0's): a fresh model after a named step divergence (a sweep or a notebook that
+    caught the ``DivergenceError`` and built a new model and optimizer) would otherwise meet the old records'
+    difference at its every collective."""
+    pos = position(group)
+    pos.steps, pos.settings = record
 
 
 def _raise_step_divergence(records: list, group, pos: _Position):

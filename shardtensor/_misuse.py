@@ -201,17 +201,23 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
     fingerprint = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
     plan = (_comm.world_size(group), _comm.group_ranks(group))
     values = [_sample_digest(p) for _, p in named]
-    everyone = _comm.all_gather_object(
-        (plan, fingerprint, settings, values), group,
-        label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
+    with _comm._div.steps_left_out():  # compared below: a fresh model after a named step divergence starts over
+        everyone = _comm.all_gather_object(
+            (plan, fingerprint, settings, values, _comm._div.step_record(group)), group,
+            label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
     me = _comm.rank(group)
+    if any(other[4] != everyone[0][4] for other in everyone):
+        log.warning("shard_module: the ranks' optimizer-step records over this group differ (an earlier "
+                    "DivergenceError: an opt.step() or a scheduler step on some ranks only); this model starts "
+                    "every rank from rank 0's record. A model trained before that error holds mixed rows.")
+        _comm._div.take_step_record(group, everyone[0][4])
     for other_rank, (other_plan, *_) in enumerate(everyone):
         if other_plan != plan:
             raise ValueError(
                 f"shard_module on rank {me}: rank {other_rank} shards over a different process group "
                 f"(world size {other_plan[0]}, global ranks {other_plan[1]}) than this rank (world size {plan[0]}, "
                 f"global ranks {plan[1]}). Every rank must pass the same group to shard_module.")
-    for other_rank, (_, other, other_settings, _) in enumerate(everyone):
+    for other_rank, (_, other, other_settings, *_) in enumerate(everyone):
         if other != fingerprint:
             raise ValueError(f"shard_module on rank {me}: rank {other_rank} has a different model "
                              f"({_first_difference(fingerprint, other, other_rank)}). Every rank must shard the "

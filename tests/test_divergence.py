@@ -397,6 +397,21 @@ def scheduler_on_rank_0_only(where: str) -> dict:
                 sched.step()
 
     out = _outcome(loop)
+    # A sweep or a notebook catches the error and starts over with a fresh model and optimizer on the group:
+    # every collective of the fresh model raised the old records' difference.
+    torch.manual_seed(1)
+    fresh = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)), group=group)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+
+    def fresh_loop():
+        for step in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            fresh(x).sum().backward()
+            fresh_opt.step()
+            fresh_opt.zero_grad()
+
+    out["fresh"] = _outcome(fresh_loop)
+    out["fresh_state"] = shardtensor.full_state_dict(fresh)
     dist.destroy_process_group(group)
     return out
 
@@ -411,3 +426,6 @@ def test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather(where):
         assert out["error"] == "DivergenceError", (rank, out)
         assert "different settings" in out["message"] and "rank 0: 2, rank 1: 2" in out["message"], out["message"]
         assert "scheduler" in out["message"], out["message"]
+    for rank, out in enumerate(outcomes):  # a fresh model after the error trains, the same on every rank
+        assert out["fresh"]["error"] is None, (rank, out["fresh"])
+        assert all(torch.equal(v, outcomes[0]["fresh_state"][k]) for k, v in out["fresh_state"].items()), rank

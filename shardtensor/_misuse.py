@@ -268,6 +268,12 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
                 "such as weight_norm, spectral_norm or register_parametrization moves it, as does del): the "
                 "tensors that replace it are not sharded and their gradients are not averaged across ranks. Fix: "
                 "apply parametrizations before shard_module.")
+        if isinstance(current, ShardedParam) and current._gatherer is gatherer:  # another of this model's
+            raise RuntimeError(
+                f"shardtensor: parameter {fqn!r} was replaced after shard_module by the model's own "
+                f"{current._name!r} (weights tied after sharding, model.head.weight = model.emb.weight): the two "
+                "were sharded apart, and the tie would drop the first's gradient hook and gathers. Fix: tie the "
+                "weights before shard_module (shard_module keeps tied parameters tied).")
         what = f"{type(current).__name__}({tuple(current.shape)}, {current.dtype}, {current.device})" \
             if isinstance(current, torch.Tensor) else repr(current)
         raise RuntimeError(

@@ -22,7 +22,9 @@ import torch
 from . import _comm
 from ._misuse import _DEFERRING, _deferred_name
 
-_FIX_OPTIMIZER = "Fix: build the optimizer after shard_module (opt = torch.optim.X(model.parameters(), ...))."
+_FIX_OPTIMIZER = ("Fix: build the optimizer, and any parameter lists its groups take (decay / no-decay groups "
+                  "from model.named_parameters()), after shard_module (opt = torch.optim.X(model.parameters(), "
+                  "...)).")
 
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> parameters already checked
@@ -45,8 +47,8 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
             if name is not None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step(): parameter {name!r} was replaced by shard_module after this "
-                    "optimizer was built, so the optimizer holds the old full tensor: step() would update it while "
-                    f"the model never changes. {_FIX_OPTIMIZER}"
+                    "optimizer (or the parameter list of one of its groups) was built, so the optimizer holds the "
+                    f"old full tensor: step() would update it while the model never changes. {_FIX_OPTIMIZER}"
                 )
     _refuse_zero_redundancy(optimizer)
     _CHECKED[optimizer] = count

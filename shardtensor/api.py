@@ -271,9 +271,9 @@ def _refuse_parameters_sharded_elsewhere(module: nn.Module) -> None:
         if isinstance(param, ShardedParam) or earlier is not None:
             raise ValueError(
                 f"shard_module: parameter {name!r} of {type(module).__name__} is already sharded (as {earlier!r}) by "
-                "another shard_module call: it is shared with a module that was sharded separately. Sharding it "
-                "again would untie the two (separate shards, separate gradients). Fix: put both modules under "
-                "one parent module and call shard_module once on the parent."
+                "another shard_module call (FSDP2's habit of fully_shard per block, then the root; or a module "
+                "shared with one sharded separately). Fix: call shard_module once, on the root: its blocks "
+                "become gather units by themselves (sharding a part again would untie it from the rest)."
             )
 
 

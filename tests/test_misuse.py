@@ -39,7 +39,8 @@ def optimizer_first_case() -> tuple:
 
 def test_optimizer_built_before_shard_module_is_refused_at_its_first_step():
     for message, unchanged in run_on_ranks(2, optimizer_first_case):
-        assert "build the optimizer after shard_module" in message and "'0.weight'" in message, message
+        assert "build the optimizer, and any parameter lists" in message and "after shard_module" in message \
+            and "'0.weight'" in message, message
         assert "SGD" in message and unchanged, message
 
 

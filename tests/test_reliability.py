@@ -39,7 +39,7 @@ def test_sharding_twice_names_the_model():
 def test_parameter_shared_with_a_separately_sharded_module_is_refused():
     shared = nn.Linear(3, 3)
     first = shardtensor.shard_module(nn.Sequential(shared, nn.Linear(3, 1)))
-    with pytest.raises(ValueError, match=r"'0\.weight'.*already sharded.*shard_module once on the parent"):
+    with pytest.raises(ValueError, match=r"'0\.weight'.*already sharded.*call shard_module once, on the root"):
         shardtensor.shard_module(nn.Sequential(shared, nn.Linear(3, 2)))
     # the same Parameter object in two distinct modules: after the first call the second still holds the plain one
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -676,3 +676,13 @@ def test_checkpoint_of_another_world_size_is_refused(tmp_path):
     _, shard, manifest_path = _saved(tmp_path)
     manifest_path.rename(tmp_path / "manifest-rank00000-of-00002.json")
     _assert_refused_and_untouched(tmp_path, "no manifest for rank 0 of 1 ranks")
+
+
+def test_weights_tied_after_sharding_are_named_as_such():
+    # The message spoke of model.to()/.double() and said "move or convert the model before shard_module".
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    model[1].weight = model[0].weight
+    with pytest.raises(RuntimeError, match=r"'1\.weight' was replaced after shard_module by the model's own "
+                                           r"'0\.weight'.*Fix: tie the weights before shard_module"):
+        model(torch.randn(2, 3))
+

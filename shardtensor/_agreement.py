@@ -140,7 +140,13 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     items, refusal = [], None
     if root or not prefix:  # the module load_state_dict was called on (or the sharded root below a wrapper)
         errors = torch_load_errors(module, state_dict, prefix)
-        if errors:
+        if args and args[0].get("assign_to_params_buffers") and params:
+            refusal = ValueError(
+                "load_state_dict(assign=True) would put the state dict's tensors in place of the sharded "
+                f"parameters (first {next(iter(params))!r}): they would lose their gradient hooks and gathers. "
+                "Nothing was copied on any rank. Fix: load without assign=True (each rank copies its rows of the "
+                "full tensors in place); for a meta-device model, shardtensor.materialize(model) first.")
+        elif errors:
             refusal = RuntimeError(
                 f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors) +
                 "\nNothing was copied on any rank (torch copies the other tensors before it raises; a sharded "

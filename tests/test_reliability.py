@@ -63,8 +63,13 @@ def test_module_converted_after_sharding_fails_at_the_next_forward(convert):
         model.half()
     elif convert == "to_float64":
         model.to(torch.float64)
-    else:
-        model.load_state_dict({k: v.detach().clone() for k, v in _mlp(1).state_dict().items()}, assign=True)
+    else:  # refused at the load itself (it was named at the next forward), nothing replaced
+        before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+        with pytest.raises(ValueError, match=r"load_state_dict\(assign=True\).*Nothing was copied"):
+            model.load_state_dict({k: v.detach().clone() for k, v in _mlp(1).state_dict().items()}, assign=True)
+        assert all(torch.equal(v, before[k]) for k, v in shardtensor.full_state_dict(model).items())
+        assert all(isinstance(p, ShardedParam) for p in model.parameters())
+        return
     with pytest.raises(RuntimeError, match=r"parameter '0\.weight' was converted or replaced after shard_module"):
         model(torch.randn(2, 3))
 

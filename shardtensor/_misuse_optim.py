@@ -13,6 +13,7 @@ shardtensor is imported; they cost a count comparison and a set lookup per step)
 
 from __future__ import annotations
 
+import warnings
 import weakref
 import zlib
 from typing import Iterable
@@ -41,6 +42,7 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     if _CHECKED.get(optimizer) == count:
         return
+    _warn_of_parameters_outside(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = getattr(p, "_shardtensor_sharded_as", None)
@@ -52,6 +54,27 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
                 )
     _refuse_zero_redundancy(optimizer)
     _CHECKED[optimizer] = count
+
+
+def _warn_of_parameters_outside(optimizer: torch.optim.Optimizer) -> None:
+    """A trainable plain parameter beside sharded ones that no ``shard_module`` manages (``shard_module(model.
+    backbone)`` only, the head trained too) gets this rank's own gradient: the ranks' copies drift apart.  As
+    under FSDP2 that may be meant (the user averages it), so a warning, once per optimizer, not an error."""
+    from .tensor import ShardedParam
+
+    sharded = next((p for g in optimizer.param_groups for p in g["params"] if isinstance(p, ShardedParam)), None)
+    if sharded is None or sharded.shard_layout.world == 1:
+        return
+    outside = [p for g in optimizer.param_groups for p in g["params"] if not isinstance(p, ShardedParam)
+               and p.requires_grad and not getattr(p, "_shardtensor_replicated", False)
+               and getattr(p, "_shardtensor_sharded_as", None) is None]  # (that one: refused below)
+    if outside:
+        warnings.warn(
+            f"{type(optimizer).__name__}: {len(outside)} trainable parameter(s) (first of shape "
+            f"{tuple(outside[0].shape)}) are outside every shard_module'd module: their gradients are each rank's "
+            "own, never averaged, so the ranks' copies drift apart. Fix: call shard_module on the root module (it "
+            "shards or replicates every parameter and averages every gradient), or average them yourself.",
+            stacklevel=4)
 
 
 def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:

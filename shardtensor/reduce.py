@@ -177,6 +177,7 @@ class GradSync:
         (``group``, ``name``); now if it requires a gradient, else once it does."""
         if key is None:
             self._replicated_params.setdefault(id(param), (param, group, name))
+            param._shardtensor_replicated = True  # averaged here (an optimizer's check tells it from an outsider)
         if not param.requires_grad:
             self._frozen[id(param)] = (param, key, group, handles, name)
             return

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "outside_parameters_unwarned": Mutation(
+        "shardtensor/_misuse_optim.py", "_warn_of_parameters_outside",
+        "    if outside:", "    if False:",
+        ("tests/test_misuse.py::test_trainable_parameters_outside_the_sharded_module_are_warned_of_at_the_first_step",)),
     "assign_load_accepted": Mutation(
         "shardtensor/_agreement.py", "agree_on_load",
         '        if args and args[0].get("assign_to_params_buffers") and params:', "        if False:",

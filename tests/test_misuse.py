@@ -731,3 +731,37 @@ def test_every_load_state_dict_is_checked_at_the_next_step_even_where_the_new_st
     for errors in run_on_ranks(2, reloaded_state_case):
         for message in errors:
             assert "optimizer state 'exp_avg' of '0.weight'" in message and "Nothing was updated" in message, errors
+
+
+def parameters_outside_case() -> dict:
+    """``shard_module(model.backbone)`` only, the head trained too (a half-ported FSDP2 habit), beside a model
+    sharded whole with replicated parameters (0-d, ``persist_numel``), which must not warn."""
+    import warnings as w
+
+    torch.manual_seed(0)
+    backbone, head = nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 2)
+    shardtensor.shard_module(backbone)
+    whole = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    whole.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    shardtensor.shard_module(whole, persist_numel=7)
+    out = {}
+    for what, params, run in (("part", [*backbone.parameters(), *head.parameters()],
+                               lambda x: head(backbone(x)).sum()), ("whole", list(whole.parameters()),
+                                                                     lambda x: whole(x).sum())):
+        opt = torch.optim.SGD(params, lr=0.1)
+        with w.catch_warnings(record=True) as caught:
+            w.simplefilter("always")
+            for _ in range(2):  # once per optimizer
+                run(torch.randn(3, 4)).backward()
+                opt.step()
+                opt.zero_grad()
+        out[what] = [str(c.message) for c in caught if "outside every shard_module" in str(c.message)]
+    return out
+
+
+def test_trainable_parameters_outside_the_sharded_module_are_warned_of_at_the_first_step():
+    # Their gradients were each rank's own, silently: the ranks' heads drifted apart (5e-2 after 3 steps).
+    for out in run_on_ranks(2, parameters_outside_case):
+        assert len(out["part"]) == 1 and "2 trainable parameter(s) (first of shape (2, 6))" in out["part"][0], out
+        assert out["whole"] == [], out
+

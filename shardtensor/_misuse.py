@@ -262,6 +262,9 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
                 _rehook_after_swap(param, impls)
             continue
         fqn = param._name if isinstance(param, ShardedParam) else name
+        if (isinstance(current, torch.Tensor) and current.shape == param.shape and not torch.is_grad_enabled()
+                and not isinstance(current, nn.Parameter)):  # functional_call(model, ema_weights) to evaluate:
+            continue  # no gradient to average; a swap that stays is named at the next forward with gradients
         if current is None:
             raise RuntimeError(
                 f"shardtensor: parameter {fqn!r} was removed from its module after shard_module (a parametrization "

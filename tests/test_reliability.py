@@ -691,3 +691,35 @@ def test_weights_tied_after_sharding_are_named_as_such():
                                            r"'0\.weight'.*Fix: tie the weights before shard_module"):
         model(torch.randn(2, 3))
 
+
+def functional_call_eval_case() -> dict:
+    """An EMA copy evaluated with ``torch.func.functional_call`` under ``no_grad``: its plain full tensors (or
+    clones of the shards) in place of the parameters for one call."""
+    model = shardtensor.shard_module(_mlp())
+    ema = {k: v * 0.5 for k, v in shardtensor.full_state_dict(model).items()}
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    plain = _mlp()
+    plain.load_state_dict(ema)
+    out = {"want": plain(x).detach()}
+    with torch.no_grad():
+        out["full"] = torch.func.functional_call(model, ema, (x,))
+        out["clones"] = torch.func.functional_call(model, {n: p.detach().clone() for n, p in
+                                                           model.named_parameters()}, (x,))
+        out["own"] = model(x)
+    try:  # with gradients the swap is still refused: the gradients would land on the caller's tensors
+        torch.func.functional_call(model, ema, (x,))
+        out["with_grad"] = "no error"
+    except RuntimeError as exc:
+        out["with_grad"] = str(exc)
+    model(x).sum().backward()  # training goes on
+    return out
+
+
+def test_functional_call_with_other_weights_under_no_grad_evaluates_them():
+    # It was refused ("converted or replaced ... gradients would silently stop being averaged") with no gradient
+    # anywhere: an EMA evaluated by functional_call could not run.
+    for out in run_on_ranks(2, functional_call_eval_case):
+        assert torch.allclose(out["full"], out["want"], atol=1e-6), out
+        assert torch.allclose(out["clones"], out["own"], atol=1e-6), out
+        assert "was converted or replaced after shard_module" in out["with_grad"], out
+

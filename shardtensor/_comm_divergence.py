@@ -307,8 +307,10 @@ def _raise_step_divergence(records: list, group, pos: _Position):
         f"ranks have run different numbers of optimizer steps over the group's sharded parameters ({counts}): an "
         "opt.step() ran on some ranks only, so each rank's rows are at another step and gathered weights would "
         "mix them (or a rank with fewer steps is still in code the others skipped, such as an evaluation under "
-        "`if rank == 0:`, while they went on to their step); no data was exchanged. Fix: step on every rank "
-        "alike, and run code that reads sharded parameters on every rank; a step skipped on a rank-local condition "
+        "`if rank == 0:` or one more micro-batch than the others, while they went on to their step); no data was "
+        "exchanged. Fix: step on every rank alike, run as many micro-batches per step on every rank (pad the last "
+        "batch, or drop_last=True), and run code that reads sharded parameters on every rank; a step skipped on "
+        "a rank-local condition "
         "(a NaN loss on one rank) must be skipped everywhere: all-reduce the condition first "
         "(dist.all_reduce(flag, op=dist.ReduceOp.MAX)), or let torch.amp.GradScaler skip it (its skips agree).")
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from shardtensor import _comm
+from shardtensor._agreement import any_rank
 
 from ._slots import is_sharded
 
@@ -51,10 +51,8 @@ def local_rows(optimizer_name: str, states: list) -> list:
                            "run's file. Nothing was loaded on any rank. Fix: load each rank's own file on that rank "
                            "at the same world size, or shardtensor.save_checkpoint / load_checkpoint (any world "
                            "size).")
-    if shards_given and _comm.is_distributed() and _comm.world_size(group) > 1:
-        flag = torch.tensor([float(refusal is not None)])
-        _comm.all_reduce(flag, group, op="max", label=f"{optimizer_name}.load_state_dict: the ranks' verdicts")
-        if flag.item() and refusal is None:
+    if shards_given and any_rank(refusal is not None, group, f"{optimizer_name}.load_state_dict: the verdicts"):
+        if refusal is None:
             refusal = (f"{optimizer_name}.load_state_dict: another rank's state is not its own rows (its error "
                        "names it). Nothing was loaded on any rank: a load on some ranks only would leave the ranks' "
                        "moments from different runs. Fix: load each rank's own file on that rank, or "

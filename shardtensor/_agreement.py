@@ -95,6 +95,16 @@ def refuse_differing(items: list, what: str, refusal: str = "") -> None:
         raise refusal if isinstance(refusal, Exception) else ValueError(refusal)
 
 
+def any_rank(flag: bool, group, label: str) -> bool:
+    """Whether ``flag`` holds on any rank of ``group`` (one flag all-reduce; this rank's own where there is no
+    other): a verdict every rank acts on alike, so a refusal on one rank is a refusal on all."""
+    if not _comm.is_distributed() or _comm.world_size(group) == 1:
+        return flag
+    verdict = torch.tensor([float(flag)])
+    _comm.all_reduce(verdict, group, op="max", label=label)
+    return bool(verdict.item())
+
+
 def is_plain(t) -> bool:
     """A plain tensor, the same object on every rank only by the user's doing (not a ShardedParam or DTensor,
     whose reads communicate)."""

@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from . import _comm
+from ._agreement import any_rank
 from ._misuse import _DEFERRING, _deferred_name
 
 _FIX_OPTIMIZER = ("Fix: build the optimizer, and any parameter lists its groups take (decay / no-decay groups "
@@ -131,10 +132,8 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
     if optimizer not in _STATE_SEEN:  # the id alone is not enough: the replaced state's id is often reused
         optimizer.register_load_state_dict_post_hook(_forget_checked_state)
     refusal, loaded, group = _state_of_another_rank(optimizer)
-    if loaded and _comm.is_distributed() and _comm.world_size(group) > 1:
-        flag = torch.tensor([float(refusal is not None)])
-        _comm.all_reduce(flag, group, op="max", label=f"{type(optimizer).__name__}.step(): loaded state's verdicts")
-        if flag.item() and refusal is None:
+    if loaded and any_rank(refusal is not None, group, f"{type(optimizer).__name__}.step(): loaded state's verdicts"):
+        if refusal is None:
             refusal = (f"{type(optimizer).__name__}.step(): another rank's optimizer state is not its own rows (its "
                        "error names the state and the file's rank). Nothing was updated on any rank: this rank's "
                        "state loads, but a step here alone would leave the ranks' rows steps apart. Fix: load each "

@@ -358,11 +358,9 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
     """
     error = _full_state_dict_error(module.state_dict(), state_dict, strict)
     group = getattr(getattr(module, "_shardtensor", None), "group", None)
-    if _comm.is_distributed() and _comm.world_size(group) > 1:
-        flag = torch.tensor([float(bool(error))])
-        _comm.all_reduce(flag, group, op="max", label="load_full_state_dict: the ranks' verdicts")
-        error = error or ("load_full_state_dict: another rank refused its state dict (its error names the key); "
-                          "nothing was copied on any rank." if flag.item() else "")
+    if _agreement.any_rank(bool(error), group, "load_full_state_dict: the ranks' verdicts") and not error:
+        error = ("load_full_state_dict: another rank refused its state dict (its error names the key); nothing "
+                 "was copied on any rank.")
     if error:
         raise ValueError(error)
     return module.load_state_dict(state_dict, strict=strict)

@@ -47,7 +47,8 @@ MUTATIONS = {
         ("tests/test_divergence.py::test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather",)),
     "full_state_dict_verdicts_not_agreed": Mutation(
         "shardtensor/api.py", "load_full_state_dict",
-        "    if _comm.is_distributed() and _comm.world_size(group) > 1:", "    if False:",
+        "    if _agreement.any_rank(bool(error), group, \"load_full_state_dict: the ranks' verdicts\") and not error:",
+        "    if False:",
         ("tests/test_reliability.py::test_a_full_state_dict_bad_on_one_rank_is_refused_on_every_rank",)),
     "expert_dict_not_a_unit": Mutation(
         "shardtensor/_unit_policy.py", "_data_dependent",
@@ -93,7 +94,8 @@ MUTATIONS = {
         ("tests/test_composability.py::test_inits_after_sharding_equal_the_unsharded_init",)),
     "loaded_state_verdict_not_agreed": Mutation(
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
-        "    if loaded and _comm.is_distributed() and _comm.world_size(group) > 1:", "    if False:",
+        "    if loaded and any_rank(refusal is not None, group, f\"{type(optimizer).__name__}.step(): loaded state's "
+        "verdicts\"):", "    if False:",
         ("tests/test_misuse.py::test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_step",)),
     "torch_refused_load_copies_the_rest": Mutation(
         "shardtensor/_agreement.py", "torch_load_errors",

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 import shardtensor
+from shardtensor._agreement import any_rank
 from shardtensor.layerwise import OwnerLayout
 from shardtensor.tensor import ShardedParam
 
@@ -84,6 +85,8 @@ class Muon:
             use_muon = lambda name, p: p.dim() == 2 and id(p) not in embeddings  # noqa: E731
         self._params: list[torch.Tensor] = []  # every trainable parameter (zero_grad clears them all)
         self._proxies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (owned parameter, the tensor stepped)
+        self._owned_names: list[str] = []  # saved with the state: a file records whose it is
+        self._placement: tuple = (0, 1, None)  # (rank, world, group) of the layer-wise placement
         muon_locals: list[torch.Tensor] = []
         adamw_locals: list[torch.Tensor] = []
         for name, p in module.named_parameters():
@@ -95,8 +98,11 @@ class Muon:
                 raise ValueError(f"Muon: use_muon chose {name!r} of shape {tuple(p.shape)}; Muon steps 2-d "
                                  "matrices only. Return False for it so AdamW steps it.")
             local = self._owned_local(name, p)
+            if isinstance(p, ShardedParam):
+                self._placement = (p.shard_layout.rank, p.shard_layout.world, p.shard_layout.group)
             if local is None:
                 continue  # another rank owns it
+            self._owned_names.append(name)
             self._proxies.append((p, local))
             (muon_locals if to_muon else adamw_locals).append(local)
         self.muon: Optional[torch.optim.Muon] = None
@@ -160,16 +166,32 @@ class Muon:
                 p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state (its owned parameters), per inner optimizer."""
+        """This rank's state (its owned parameters), per inner optimizer, with whose it is."""
+        rank, world, _ = self._placement
         return {"muon": self.muon.state_dict() if self.muon else None,
-                "adamw": self.adamw.state_dict() if self.adamw else None}
+                "adamw": self.adamw.state_dict() if self.adamw else None,
+                "owner": {"rank": rank, "world": world, "params": list(self._owned_names)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's own file.  Another rank's is refused on every rank before anything is loaded (with
+        layers of one shape on two ranks, rank 0's file loaded on rank 1 without a word, momentum and all)."""
+        rank, world, group = self._placement
+        owner, refusal = state.get("owner"), ""
+        if owner is not None and (owner.get("rank"), owner.get("world"), owner.get("params")) != (
+                rank, world, self._owned_names):
+            refusal = (f"Muon.load_state_dict: the state is rank {owner.get('rank')}'s of a {owner.get('world')}-"
+                       f"rank run (it steps {owner.get('params')[:3]}...), but this is rank {rank} of {world} "
+                       f"(stepping {self._owned_names[:3]}...). Nothing was loaded on any rank. Fix: load the state "
+                       "saved by the same rank under the same placement.")
         for key, opt in (("muon", self.muon), ("adamw", self.adamw)):
-            if (opt is None) != (state.get(key) is None):
-                raise ValueError(f"Muon.load_state_dict: {key!r} state is "
-                                 f"{'missing' if opt is not None else 'present'} but this rank "
-                                 f"{'owns' if opt is not None else 'owns no'} parameters for it; load the state "
-                                 "saved by the same rank under the same placement")
+            if not refusal and (opt is None) != (state.get(key) is None):
+                refusal = (f"Muon.load_state_dict: {key!r} state is {'missing' if opt is not None else 'present'} "
+                           f"but this rank {'owns' if opt is not None else 'owns no'} parameters for it. Nothing "
+                           "was loaded on any rank. Fix: load the state saved by the same rank under the same "
+                           "placement.")
+        if any_rank(bool(refusal), group, "Muon.load_state_dict: the verdicts"):
+            raise ValueError(refusal or "Muon.load_state_dict: another rank's state is not its own (its error "
+                             "names it); nothing was loaded on any rank.")
+        for key, opt in (("muon", self.muon), ("adamw", self.adamw)):
             if opt is not None:
                 opt.load_state_dict(state[key])

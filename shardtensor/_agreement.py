@@ -178,13 +178,16 @@ def torch_load_errors(module, state_dict: dict, prefix: str) -> list[str]:
     value that is not a tensor, a shape that differs (a checkpoint of another vocabulary size).  torch finds them
     while it copies, and raises after copying every other tensor: the model is then half the checkpoint's.
     Modules that load their own way (a ``_load_from_state_dict`` of their own, but for the norm layers', which
-    only add a missing counter) are left to torch."""
+    only add a missing counter, or a load pre-hook of their own, below them too) are left to torch."""
     from torch.nn.modules.batchnorm import _NormBase
 
     plain_loads = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
-    errors = []
-    for module_name, sub in module.named_modules(remove_duplicate=False):
-        if type(sub)._load_from_state_dict not in plain_loads:
+    errors, adapted = [], []  # modules with load pre-hooks of their own (a legacy layout transposed back, keys
+    for module_name, sub in module.named_modules(remove_duplicate=False):  # renamed): their subtrees are torch's
+        if any(not _is_ours(hook) for hook in sub._load_state_dict_pre_hooks.values()):
+            adapted.append(module_name)
+        if type(sub)._load_from_state_dict not in plain_loads or any(
+                a == "" or module_name == a or module_name.startswith(a + ".") for a in adapted):
             continue
         tensors = {**sub._parameters, **{k: v for k, v in sub._buffers.items()
                                          if k not in sub._non_persistent_buffers_set}}
@@ -199,6 +202,11 @@ def torch_load_errors(module, state_dict: dict, prefix: str) -> list[str]:
                 errors.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
                               f"checkpoint, the shape in current model is {tuple(tensor.shape)}")
     return errors
+
+
+def _is_ours(hook) -> bool:
+    inner = getattr(hook, "hook", hook)  # torch wraps a registered hook
+    return getattr(inner, "func", None) is agree_on_load
 
 
 def _other_ranks_shard(key: str, value) -> str:

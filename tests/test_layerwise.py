@@ -208,3 +208,60 @@ def test_misuse_is_named():
         shardtensor.shard_module(_build(0), placement="layerwise", reducer=CompressedReducer())
     with pytest.raises(ValueError, match="2-d"):
         Muon(_build(0), use_muon=lambda name, p: True)
+
+
+def muon_file_case(source: str) -> dict:
+    """Each rank saves ``Muon.state_dict()`` to a file of its own; a fresh run loads its own file, or rank 0's on
+    every rank (two layers of one shape: rank 1 owns tensors shaped like rank 0's, so nothing failed)."""
+    import io
+
+    import torch.distributed as dist
+
+    import shardtensor
+    from shardtensor.optim import Muon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build():
+        torch.manual_seed(0)
+        model = shardtensor.shard_module(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)),
+                                         placement="layerwise")
+        return model, Muon(model, lr=0.02, adamw_lr=1e-2)
+
+    def step(model, opt, s):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build()
+    for s in range(2):
+        step(model, opt, s)
+    weights = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    files = [None] * world
+    dist.all_gather_object(files, buffer.getvalue())
+    step(model, opt, 2)
+    want = shardtensor.full_state_dict(model)
+    model, opt = build()
+    model.load_state_dict(weights)
+    before = io.BytesIO()
+    torch.save(opt.state_dict(), before)
+    try:
+        opt.load_state_dict(torch.load(io.BytesIO(files[rank if source == "own" else 0]), weights_only=True))
+    except ValueError as exc:
+        after = io.BytesIO()
+        torch.save(opt.state_dict(), after)
+        return {"error": str(exc), "unchanged": before.getvalue() == after.getvalue()}
+    step(model, opt, 2)
+    return {"error": None, "equal": all(torch.equal(v, want[k]) for k, v in shardtensor.full_state_dict(model).items())}
+
+
+def test_muon_state_of_another_rank_is_refused_on_every_rank():
+    for out in run_on_ranks(2, muon_file_case, "own"):
+        assert out == {"error": None, "equal": True}, out
+    refused = run_on_ranks(2, muon_file_case, "rank0")
+    assert "rank 0's of a 2-rank run" in refused[1]["error"] and "Nothing was loaded" in refused[1]["error"], refused
+    assert "another rank's state is not its own" in refused[0]["error"], refused
+    assert all(r["unchanged"] for r in refused), refused

@@ -683,9 +683,21 @@ def torch_refused_load_case() -> dict:
         unchanged[what] = [k for k in before if not torch.equal(before[k], after[k])]
     scalar = shardtensor.shard_module(nn.ParameterDict({"t": nn.Parameter(torch.tensor(1.0))}))
     scalar.load_state_dict({"t": torch.tensor([2.0])})  # torch's own allowance: a (1,) tensor into a 0-d one
+
+    def transposed_back(module, state, prefix, *args):  # a module's own pre-hook adapting a legacy layout
+        if state.get(prefix + "weight") is not None and state[prefix + "weight"].shape == module.weight.shape[::-1]:
+            state[prefix + "weight"] = state[prefix + "weight"].t()
+
+    legacy = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    legacy[1].register_load_state_dict_pre_hook(transposed_back)
+    shardtensor.shard_module(legacy)
+    legacy.load_state_dict({"0.weight": torch.ones(6, 4), "0.bias": torch.ones(6),
+                            "1.weight": torch.arange(18.0).reshape(6, 3), "1.bias": torch.ones(3)})
+    adapted = torch.equal(shardtensor.full_state_dict(legacy)["1.weight"], torch.arange(18.0).reshape(6, 3).t())
     model.load_state_dict(new)
     loads = all(torch.equal(v, new[k]) for k, v in shardtensor.full_state_dict(model).items())
-    return {"messages": messages, "changed": unchanged, "loads": loads, "scalar": scalar["t"].item()}
+    return {"messages": messages, "changed": unchanged, "loads": loads, "scalar": scalar["t"].item(),
+            "adapted": adapted}
 
 
 def test_a_load_torch_refuses_raises_on_every_rank_before_anything_is_copied():
@@ -702,7 +714,7 @@ def test_a_load_torch_refuses_raises_on_every_rank_before_anything_is_copied():
         assert "size mismatch for 2.bias" in result["messages"]["a kept-whole bias, strict=False"]
         assert "'0.bias' is a list, not a tensor" in result["messages"]["a non-tensor"]
         assert "size mismatch for weight: copying a param with shape (6, 5)" in result["messages"]["a block's own load"]
-        assert result["loads"] and result["scalar"] == 2.0, result
+        assert result["loads"] and result["scalar"] == 2.0 and result["adapted"], result
 
 
 def reloaded_state_case() -> list:

@@ -141,7 +141,24 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
                        "load_checkpoint (any world size).")
     if refusal is not None:
         raise RuntimeError(refusal)
+    if loaded:
+        _rebind_to_parameter_groups(optimizer)
     _STATE_SEEN[optimizer] = id(optimizer.state)
+
+
+def _rebind_to_parameter_groups(optimizer: torch.optim.Optimizer) -> None:
+    """A state shard unpickled from this rank's own file has lost its process group (a group object does not
+    survive a pickle): for a parameter sharded over a subgroup its layout then differs from the parameter's,
+    and the step failed half way (``lerp_`` of two layouts).  Its rows are this rank's: it takes the
+    parameter's layout back (no copy)."""
+    from .tensor import ShardedParam
+
+    for p, state in optimizer.state.items():
+        if not isinstance(p, ShardedParam):
+            continue
+        for key, value in state.items():
+            if isinstance(value, ShardedParam) and value._layout != p._layout and not value._views:
+                state[key] = ShardedParam.from_local(value._local, p._layout, name=value._name)
 
 
 def _state_of_another_rank(optimizer: torch.optim.Optimizer) -> tuple:

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "unpickled_state_keeps_lost_group": Mutation(
+        "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
+        "    if loaded:\n        _rebind_to_parameter_groups(optimizer)", "    if False:\n        pass",
+        ("tests/test_misuse.py::test_a_per_rank_optimizer_file_of_a_model_on_a_subgroup_resumes_exactly",)),
     "muon_foreign_state_loaded": Mutation(
         "optim/muon.py", "load_state_dict",
         "        if owner is not None and (owner.get(\"rank\"), owner.get(\"world\"), owner.get(\"params\")) != (",

@@ -305,7 +305,7 @@ class GradSync:
             return
         self._finish_queued_for = None
         pending, self._replicated = self._replicated, []
-        reached = {id(param) for param, _ in pending}
+        reached = {id(param) for param, _ in pending if param.grad is not None}  # (a failed backward's: none)
         buckets: dict = {}
         for param, group, name in self._replicated_params.values():
             if param.requires_grad or id(param) in reached:

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "failed_backward_gradients_reduced": Mutation(
+        "shardtensor/reduce.py", "_finish_replicated",
+        "        reached = {id(param) for param, _ in pending if param.grad is not None}  # (a failed backward's: none)",
+        "        reached = {id(param) for param, _ in pending}",
+        ("tests/test_units.py::test_a_failed_backward_leaves_no_replicated_gradient_behind",)),
     "unpickled_state_keeps_lost_group": Mutation(
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
         "    if loaded:\n        _rebind_to_parameter_groups(optimizer)", "    if False:\n        pass",

@@ -331,3 +331,67 @@ def test_replicated_parameters_reached_differently_per_rank_train_like_the_unsha
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-9, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
         assert result["unused_grads"] == [True, True], (rank, result)  # no rank reached expert 3
+
+
+class _FailsWhenArmed(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailsWhenArmed.armed:
+            raise RuntimeError("a backward that fails midway")
+        return grad
+
+
+def failed_backward_case(mode: str) -> dict:
+    """A backward that raises after a replicated parameter's hook fired, ``zero_grad()``, then two steps in which
+    the ranks' data pick different 0-d gains."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 8, dtype=torch.float64)
+            self.a = nn.Parameter(torch.tensor(1.1, dtype=torch.float64))
+            self.b = nn.Parameter(torch.tensor(0.8, dtype=torch.float64))
+
+        def forward(self, x, head):
+            return (_FailsWhenArmed.apply(self.lin(x)) * (self.a if head == 0 else self.b)).square().mean()
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = Net()
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(3):
+        xs = [torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + r))
+              for r in range(world)]
+        heads = [0 if step == 0 else r % 2 for r in range(world)]
+        _FailsWhenArmed.armed = step == 0
+        for loss in (model(xs[rank], heads[rank]), sum(reference(x, h) for x, h in zip(xs, heads)) / world):
+            try:
+                loss.backward()
+            except RuntimeError:
+                assert step == 0
+        _FailsWhenArmed.armed = False
+        for opt in opts:
+            if step:
+                opt.step()
+            opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    return {k: (full[k] - v).abs().max().item() for k, v in reference.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_backward_leaves_no_replicated_gradient_behind(mode):
+    # The failed backward's replicated gradients were still listed at the next forward, with .grad None since
+    # zero_grad(): AttributeError on every later step.
+    for rank, diffs in enumerate(run_on_ranks(2, failed_backward_case, mode, timeout=120)):
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < 1e-10, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"

@@ -90,11 +90,12 @@ def positive_seconds(setter: str, seconds: float) -> float:
 class _Position:
     """This rank's count of checked collectives on one group, and the last one's label (for the probes)."""
 
-    __slots__ = ("tag", "seq", "label", "group", "steps", "settings")
+    __slots__ = ("tag", "seq", "label", "group", "steps", "settings", "named")
 
     def __init__(self, tag: str, group):
         self.tag, self.seq, self.label, self.steps = tag, 0, "", 0  # steps: see count_optimizer_step
         self.settings = 0  # a running digest of the hyperparameters of those steps
+        self.named = False  # a step divergence was raised on this group (see take_step_record)
         self.group = group  # held, so that no later group object can reuse its id() while this count stands
 
 
@@ -266,9 +267,10 @@ def count_optimizer_step(group, settings: int = 0) -> None:
 
 
 def step_record(group) -> tuple:
-    """This rank's optimizer steps over ``group``'s sharded parameters and the digest of their settings."""
+    """This rank's optimizer steps over ``group``'s sharded parameters, the digest of their settings, and whether
+    a step divergence was already raised here."""
     pos = position(group)
-    return pos.steps, pos.settings
+    return pos.steps, pos.settings, pos.named
 
 
 @contextlib.contextmanager
@@ -283,15 +285,21 @@ def steps_left_out():
         _steps_left_out = False
 
 
-def take_step_record(group, record: tuple) -> None:
-    """Start from ``record`` (rank 0's): a fresh model after a named step divergence (a sweep or a notebook that
-    caught the ``DivergenceError`` and built a new model and optimizer) would otherwise meet the old records'
-    difference at its every collective."""
+def take_step_record(group, records: list) -> None:
+    """The ranks' step records (``step_record`` of each) differ at ``shard_module``.  After a step
+    divergence already raised on every rank (a sweep or a notebook that caught the ``DivergenceError`` and built
+    a fresh model and optimizer), every rank starts from rank 0's record: the fresh model's every collective
+    would otherwise meet the old difference.  Any other difference is a step on some ranks only that nothing
+    named yet (``if rank == 0: opt_g.step()`` before a second model is sharded): raised here, on every rank."""
+    if not all(named for *_, named in records):
+        pos = position(group)
+        _raise_step_divergence([[0, 0, 0, 0, 0, steps, settings] for steps, settings, _ in records], group, pos)
     pos = position(group)
-    pos.steps, pos.settings = record
+    pos.steps, pos.settings, pos.named = records[0][0], records[0][1], False
 
 
 def _raise_step_divergence(records: list, group, pos: _Position):
+    pos.named = True  # every rank raises this (they hold the same records)
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     counts = ", ".join(f"rank {ranks[r]}: {records[r][5]}" for r in range(len(records)))
     if all(r[5] == records[0][5] for r in records):

@@ -206,11 +206,11 @@ def check_same_model_on_every_rank(module: nn.Module, group, settings: dict) -> 
             (plan, fingerprint, settings, values, _comm._div.step_record(group)), group,
             label="shard_module's plan check (every rank of the group must call shard_module with the same group)")
     me = _comm.rank(group)
-    if any(other[4] != everyone[0][4] for other in everyone):
-        log.warning("shard_module: the ranks' optimizer-step records over this group differ (an earlier "
-                    "DivergenceError: an opt.step() or a scheduler step on some ranks only); this model starts "
+    if any(other[4][:2] != everyone[0][4][:2] for other in everyone):
+        _comm._div.take_step_record(group, [other[4] for other in everyone])
+        log.warning("shard_module: the ranks' optimizer-step records over this group differed after an earlier "
+                    "DivergenceError (an opt.step() or a scheduler step on some ranks only); this model starts "
                     "every rank from rank 0's record. A model trained before that error holds mixed rows.")
-        _comm._div.take_step_record(group, everyone[0][4])
     for other_rank, (other_plan, *_) in enumerate(everyone):
         if other_plan != plan:
             raise ValueError(

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "unnamed_step_divergence_realigned": Mutation(
+        "shardtensor/_comm_divergence.py", "take_step_record",
+        "    if not all(named for *_, named in records):", "    if False:",
+        ("tests/test_divergence.py::test_a_step_on_some_ranks_only_before_another_shard_module_is_named_there",)),
     "failed_backward_gradients_reduced": Mutation(
         "shardtensor/reduce.py", "_finish_replicated",
         "        reached = {id(param) for param, _ in pending if param.grad is not None}  # (a failed backward's: none)",
@@ -57,7 +61,7 @@ MUTATIONS = {
         ("tests/test_reliability.py::test_module_converted_after_sharding_fails_at_the_next_forward",)),
     "step_records_not_realigned": Mutation(
         "shardtensor/_misuse.py", "check_same_model_on_every_rank",
-        "        _comm._div.take_step_record(group, everyone[0][4])", "        pass",
+        "        _comm._div.take_step_record(group, [other[4] for other in everyone])", "        pass",
         ("tests/test_divergence.py::test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather",)),
     "full_state_dict_verdicts_not_agreed": Mutation(
         "shardtensor/api.py", "load_full_state_dict",

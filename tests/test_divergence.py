@@ -429,3 +429,28 @@ def test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather(where):
     for rank, out in enumerate(outcomes):  # a fresh model after the error trains, the same on every rank
         assert out["fresh"]["error"] is None, (rank, out["fresh"])
         assert all(torch.equal(v, outcomes[0]["fresh_state"][k]) for k, v in out["fresh_state"].items()), rank
+
+
+def step_before_second_model_case() -> dict:
+    """A GAN script: the generator trains, a bug steps its optimizer on rank 0 only, then the discriminator is
+    sharded: the step records differ at that ``shard_module`` with nothing named yet."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    generator = shardtensor.shard_module(nn.Linear(4, 6))
+    opt = torch.optim.SGD(generator.parameters(), lr=0.1)
+    generator(torch.randn(3, 4)).sum().backward()
+    if dist.get_rank() == 0:
+        opt.step()
+    return _outcome(lambda: shardtensor.shard_module(nn.Linear(6, 1)))
+
+
+def test_a_step_on_some_ranks_only_before_another_shard_module_is_named_there():
+    # The second shard_module took rank 0's step record (meant for a fresh start after a caught error) and the
+    # patchwork generator trained on silently.
+    for rank, out in enumerate(run_on_ranks(2, step_before_second_model_case, timeout=120)):
+        assert out["error"] == "DivergenceError", (rank, out)
+        assert "rank 0: 1, rank 1: 0" in out["message"] and "opt.step() ran on some ranks only" in out["message"], out
+

@@ -172,7 +172,9 @@ def _state_of_another_rank(optimizer: torch.optim.Optimizer) -> tuple:
         for p in param_group["params"]:
             if not isinstance(p, ShardedParam) or p not in optimizer.state:
                 continue
-            loaded, group, here = True, getattr(p._layout, "group", None), (p._layout.rank, p._layout.world)
+            if not loaded:  # the first's group: the same on every rank, wherever each rank's check stops
+                loaded, group = True, getattr(p._layout, "group", None)
+            here = (p._layout.rank, p._layout.world)
             for key, value in optimizer.state[p].items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0:
                     continue

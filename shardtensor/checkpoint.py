@@ -356,12 +356,20 @@ def _leave_out_what_was_never_saved(metadata, state: dict, strict: bool) -> None
     fine-tuning) keeps its value.  State the checkpoint holds only part of is still refused."""
     saved = metadata.state_dict_metadata
     if not strict:
-        for key in [k for k in state[_MODEL] if f"{_MODEL}.{k}" not in saved]:
+        lacking = [k for k in state[_MODEL] if f"{_MODEL}.{k}" not in saved]
+        if lacking and len(lacking) == len(state[_MODEL]):  # nothing would load: another model, or a prefix
+            raise CheckpointError(
+                f"load_checkpoint: none of the model's tensors is in the checkpoint (the model has e.g. "
+                f"{lacking[:2]}, the checkpoint {sorted(k[len(_MODEL) + 1:] for k in saved if k.startswith(_MODEL))[:2]}"
+                "): strict=False would load nothing. Fix: load into the module that was saved (the same wrapper, "
+                "or its submodule), or the checkpoint of this model.")
+        for key in lacking:
             del state[_MODEL][key]
     optim_state = state.get(_OPTIM, {}).get("state", {})
+    with_state = {key.rsplit(".", n)[0] for key in saved if key.startswith(f"{_OPTIM}.state.")
+                  for n in range(1, key.count(".") - 1)}  # every prefix: a name holds dots
     for fqn in list(optim_state):
-        keys = [f"{_OPTIM}.state.{fqn}.{k}" for k, v in optim_state[fqn].items() if isinstance(v, torch.Tensor)]
-        if keys and not any(key in saved for key in keys):
+        if f"{_OPTIM}.state.{fqn}" not in with_state:  # (state of another optimizer's kind is still named below)
             del optim_state[fqn]
 
 

@@ -520,3 +520,38 @@ def test_a_parameter_without_saved_optimizer_state_starts_fresh_and_strict_false
             for key, value in want["after"].items():  # the third step as in the run that never stopped
                 assert torch.equal(got["after"][key], value), (mode, rank, key)
 
+
+def other_kind_case(path: str, mode: str) -> str:
+    """Saved: ``_WithSpareHead`` and Adam.  Loaded: the same model inside a wrapper (every key prefixed), with
+    ``strict=False``; or the same model with SGD (momentum) instead of Adam."""
+    from shardtensor.checkpoint_files import CheckpointError
+
+    model = _WithSpareHead(0)
+    if mode == "save":
+        shardtensor.shard_module(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model.trunk(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        shardtensor.save_checkpoint(path, model, opt)
+        return "saved"
+    target = nn.Sequential(model) if mode == "wrapped" else model
+    shardtensor.shard_module(target)
+    opt = torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9) if mode == "sgd" else \
+        torch.optim.Adam(target.parameters(), lr=1e-2)
+    try:
+        shardtensor.load_checkpoint(path, target, opt, strict=mode != "wrapped")
+    except CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_checkpoints_of_another_model_or_optimizer_kind_are_still_named(tmp_path):
+    # After the two allowances above, strict=False of a wrapper's checkpoint loaded nothing without a word, and
+    # an Adam checkpoint into SGD failed inside DCP ("CheckpointException ranks: dict_keys([0, 1])").
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, other_kind_case, path, "save")
+    for message in run_on_ranks(2, other_kind_case, path, "wrapped"):
+        assert "none of the model's tensors is in the checkpoint" in message, message
+    for message in run_on_ranks(2, other_kind_case, path, "sgd"):
+        assert "momentum_buffer' is not in the checkpoint" in message, message
+

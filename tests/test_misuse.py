@@ -824,3 +824,38 @@ def test_a_per_rank_optimizer_file_of_a_model_on_a_subgroup_resumes_exactly():
     # parameter's and the step failed half way ("operands are not shards of one layout"), some parameters
     # already updated.  It takes its parameter's layout back at the first step after the load.
     assert run_on_ranks(2, subgroup_state_file_case) == [True, True]
+
+
+def rank0_file_two_groups_case() -> str:
+    """One optimizer over a model on the default group and one on a subgroup; rank 0's file on every rank."""
+    import io
+
+    import torch.distributed as dist
+
+    shardtensor.set_collective_timeout(30)
+    subgroup = dist.new_group(list(range(dist.get_world_size())))
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 9), nn.Linear(6, 9)
+    shardtensor.shard_module(a)
+    shardtensor.shard_module(b, group=subgroup)
+    opt = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=1e-2)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    (a(x).sum() + b(x).sum()).backward()
+    opt.step()
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    files = [None] * dist.get_world_size()
+    dist.all_gather_object(files, saved.getvalue())
+    opt.load_state_dict(torch.load(io.BytesIO(files[0]), weights_only=True))
+    (a(x).sum() + b(x).sum()).backward()
+    message = _error_of(opt.step)
+    dist.destroy_process_group(subgroup)
+    return message
+
+
+def test_rank_0s_optimizer_file_over_two_groups_is_refused_on_every_rank():
+    # The verdicts' all-reduce took the group of wherever each rank's check stopped: rank 1 the first refused
+    # parameter's (the default group), rank 0 the last parameter's (the subgroup): a hang to the timeout.
+    messages = run_on_ranks(2, rank0_file_two_groups_case, timeout=120)
+    assert "another rank's optimizer state is not its own rows" in messages[0], messages
+    assert "is rank 0's rows of a 2-rank run, but this is rank 1 of 2" in messages[1], messages

@@ -350,19 +350,16 @@ def _check_param_groups(metadata, optimizer: torch.optim.Optimizer, optim_state:
 
 
 def _leave_out_what_was_never_saved(metadata, state: dict, strict: bool) -> None:
-    """A parameter with no optimizer state in the checkpoint (no gradient before the save: an unused head, an
-    expert no token reached, a save before the first step) starts fresh, as ``optimizer.load_state_dict`` of
-    such a file leaves it; with ``strict=False`` a model tensor the checkpoint lacks (a head added for
-    fine-tuning) keeps its value.  State the checkpoint holds only part of is still refused."""
+    """A parameter with no optimizer state in the checkpoint (an unused head, a save before the first step)
+    starts fresh, as ``optimizer.load_state_dict`` leaves it; with ``strict=False`` a model tensor the checkpoint
+    lacks (a new head) keeps its value.  State the checkpoint holds only part of is still refused."""
     saved = metadata.state_dict_metadata
     if not strict:
         lacking = [k for k in state[_MODEL] if f"{_MODEL}.{k}" not in saved]
         if lacking and len(lacking) == len(state[_MODEL]):  # nothing would load: another model, or a prefix
-            raise CheckpointError(
-                f"load_checkpoint: none of the model's tensors is in the checkpoint (the model has e.g. "
-                f"{lacking[:2]}, the checkpoint {sorted(k[len(_MODEL) + 1:] for k in saved if k.startswith(_MODEL))[:2]}"
-                "): strict=False would load nothing. Fix: load into the module that was saved (the same wrapper, "
-                "or its submodule), or the checkpoint of this model.")
+            raise CheckpointError(f"load_checkpoint: none of the model's tensors is in the checkpoint (the model "
+                                  f"has e.g. {lacking[:2]}, the checkpoint {sorted(saved)[:2]}): strict=False would "
+                                  "load nothing. Fix: load into the module that was saved, or its checkpoint.")
         for key in lacking:
             del state[_MODEL][key]
     optim_state = state.get(_OPTIM, {}).get("state", {})

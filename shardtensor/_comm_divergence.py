@@ -340,5 +340,15 @@ def _raise_divergence(records: list, text: str, group, pos: _Position, all_gathe
     raise DivergenceError(
         f"shardtensor rank {ranks[me]}: ranks diverged at collective #{pos.seq} on group {pos.tag}: rank "
         f"{ranks[me]} is about to run {texts[me]!r} but rank {ranks[first]} runs {texts[first]!r}; no data was "
-        f"exchanged.\n" + "\n".join(lines) + f"\n{_FIX}"
+        f"exchanged.\n" + "\n".join(lines) + f"\n{_REPLICATED_FIX if any(_REPLICATED in t for t in texts) else _FIX}"
     )
+
+
+# A replicated gradient averaged when its hook fires (not in the end-of-backward reduction, which takes every
+# replicated parameter whatever the data reached): the parameter already had a gradient, or a hook reads it.
+_REPLICATED = "average of the replicated gradient of"
+_REPLICATED_FIX = (
+    "The ranks' data reached different replicated parameters (0-d, or below persist_numel) while their gradients "
+    "were averaged at once, in the order their hooks fired (a micro-batch after the first, a user hook on them, "
+    "or speculative CPUAdam); the first micro-batch's are averaged whatever the data reached. Fix: one micro-batch "
+    "per step (a larger batch instead of accumulation), without hooks on such parameters.")

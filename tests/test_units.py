@@ -395,3 +395,37 @@ def test_a_failed_backward_leaves_no_replicated_gradient_behind(mode):
     for rank, diffs in enumerate(run_on_ranks(2, failed_backward_case, mode, timeout=120)):
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-10, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
+
+
+def accumulated_gains_case() -> dict:
+    """Two micro-batches without ``gradient_sync``; each rank's data picks its own 0-d gain."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, dtype=torch.float64)
+            self.a = nn.Parameter(torch.tensor(1.1, dtype=torch.float64))
+            self.b = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+
+        def forward(self, x, head):
+            return (self.lin(x) * (self.a if head == 0 else self.b)).square().mean()
+
+    shardtensor.set_collective_timeout(30)
+    model = shardtensor.shard_module(Net(), gather="sequential")
+    rank = dist.get_rank()
+    try:
+        for micro in range(2):
+            model(torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(micro)),
+                  rank % 2).backward()
+    except shardtensor.DivergenceError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_replicated_parameters_picked_per_rank_in_a_later_micro_batch_are_named_with_their_fix():
+    # A later micro-batch averages them as their hooks fire; the message suggested gather units (no help).
+    for out in run_on_ranks(2, accumulated_gains_case, timeout=120):
+        assert out["error"] and "one micro-batch per step" in out["error"], out

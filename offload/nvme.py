@@ -34,6 +34,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from shardtensor import _comm
+from shardtensor._agreement import any_rank
 from shardtensor.optim import CPUAdam
 from shardtensor.optim.state_store import MOMENTS
 
@@ -338,14 +339,10 @@ class NVMeOffload:
             mine = None
         except OffloadWriteError as exc:
             mine = exc
+        if not any_rank(mine is not None, group, "NVMeOffload: did any rank's writes fail"):
+            return
         if not _comm.is_distributed() or _comm.world_size(group) == 1:
-            if mine is not None:
-                raise mine
-            return
-        flag = torch.tensor([0.0 if mine is None else 1.0])
-        _comm.all_reduce(flag, group, op="max")
-        if flag.item() == 0:
-            return
+            raise mine
         verdicts = _comm.all_gather_object(None if mine is None else (str(mine), mine.paths), group,
                                            label="NVMeOffload write verdicts")
         failed = [(r, v) for r, v in enumerate(verdicts) if v is not None]

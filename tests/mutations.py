@@ -142,7 +142,8 @@ MUTATIONS = {
         ("tests/test_compile.py::test_a_compiled_model_changed_after_sharding_is_named_at_the_step_before_any_update",)),
     "offload_write_error_on_one_rank": Mutation(
         "offload/nvme.py", "end_step",
-        "        if not _comm.is_distributed() or _comm.world_size(group) == 1:", "        if True:",
+        '        if not any_rank(mine is not None, group, "NVMeOffload: did any rank\'s writes fail"):',
+        "        if mine is not None:\n            raise mine\n        if True:",
         ("tests/test_offload.py::test_nvme_full_disk_on_one_rank_is_named_on_every_rank_and_training_goes_on",)),
     "shared_reducer_accepted": Mutation(
         "shardtensor/_misuse.py", "refuse_shared_reducer",

@@ -347,6 +347,19 @@ class _FailsWhenArmed(torch.autograd.Function):
         return grad
 
 
+class _TwoGains(nn.Module):
+    """A layer and two 0-d gains (replicated), one of which each batch picks (``_FailsWhenArmed`` between)."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.lin = nn.Linear(dim_in, dim_out, dtype=torch.float64)
+        self.a = nn.Parameter(torch.tensor(1.1, dtype=torch.float64))
+        self.b = nn.Parameter(torch.tensor(0.8, dtype=torch.float64))
+
+    def forward(self, x, head):
+        return (_FailsWhenArmed.apply(self.lin(x)) * (self.a if head == 0 else self.b)).square().mean()
+
+
 def failed_backward_case(mode: str) -> dict:
     """A backward that raises after a replicated parameter's hook fired, ``zero_grad()``, then two steps in which
     the ranks' data pick different 0-d gains."""
@@ -354,19 +367,9 @@ def failed_backward_case(mode: str) -> dict:
 
     import shardtensor
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(6, 8, dtype=torch.float64)
-            self.a = nn.Parameter(torch.tensor(1.1, dtype=torch.float64))
-            self.b = nn.Parameter(torch.tensor(0.8, dtype=torch.float64))
-
-        def forward(self, x, head):
-            return (_FailsWhenArmed.apply(self.lin(x)) * (self.a if head == 0 else self.b)).square().mean()
-
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    reference = Net()
+    reference = _TwoGains(6, 8)
     model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
     for step in range(3):
@@ -403,18 +406,8 @@ def accumulated_gains_case() -> dict:
 
     import shardtensor
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4, dtype=torch.float64)
-            self.a = nn.Parameter(torch.tensor(1.1, dtype=torch.float64))
-            self.b = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
-
-        def forward(self, x, head):
-            return (self.lin(x) * (self.a if head == 0 else self.b)).square().mean()
-
     shardtensor.set_collective_timeout(30)
-    model = shardtensor.shard_module(Net(), gather="sequential")
+    model = shardtensor.shard_module(_TwoGains(4, 4), gather="sequential")
     rank = dist.get_rank()
     try:
         for micro in range(2):

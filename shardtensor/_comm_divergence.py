@@ -345,10 +345,11 @@ def _raise_divergence(records: list, text: str, group, pos: _Position, all_gathe
 
 
 # A replicated gradient averaged when its hook fires (not in the end-of-backward reduction, which takes every
-# replicated parameter whatever the data reached): the parameter already had a gradient, or a hook reads it.
+# replicated parameter whatever the data reached): a hook reads it during backward.
 _REPLICATED = "average of the replicated gradient of"
 _REPLICATED_FIX = (
     "The ranks' data reached different replicated parameters (0-d, or below persist_numel) while their gradients "
-    "were averaged at once, in the order their hooks fired (a micro-batch after the first, a user hook on them, "
-    "or speculative CPUAdam); the first micro-batch's are averaged whatever the data reached. Fix: one micro-batch "
-    "per step (a larger batch instead of accumulation), without hooks on such parameters.")
+    "were averaged at once, in the order their hooks fired, because a hook reads them during backward (a "
+    "register_hook or register_post_accumulate_grad_hook on them, or speculative CPUAdam); without such hooks they "
+    "are averaged at the end of backward whatever the data reached. Fix: remove the hook (read the gradient after "
+    "backward instead), or CPUAdam(..., speculative=False).")

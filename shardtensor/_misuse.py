@@ -153,16 +153,11 @@ def flush_deferred(grad_sync) -> None:
     from .tensor import ShardedParam
 
     owners = grad_sync.__dict__.get("_deferred_owner", {})
-    for key in [k for k in grad_sync._deferred if k in owners]:
-        kept = grad_sync._deferred.pop(key)
+    for key in [k for k in grad_sync._deferred if k in owners and isinstance(owners[k][1], ShardLayout)]:
+        kept = grad_sync._deferred.pop(key)  # (replicated ones: averaged in GradSync's flat all-reduce)
         param, where = owners.pop(key)
-        if isinstance(where, ShardLayout):
-            shard = grad_sync.strategy.reduce_grad(kept, where, key=key, dtype=param.dtype, owned=True,
-                                                   overlap=False)
-            grad = ShardedParam(_grad_landing.run_tensor_hooks(param, shard.to(param.dtype)), where, name=key)
-        else:
-            _comm.all_reduce(kept, where, op="avg")
-            grad = kept
+        shard = grad_sync.strategy.reduce_grad(kept, where, key=key, dtype=param.dtype, owned=True, overlap=False)
+        grad = ShardedParam(_grad_landing.run_tensor_hooks(param, shard.to(param.dtype)), where, name=key)
         if param.grad is None:
             param.grad = grad
         else:

@@ -162,6 +162,7 @@ class GradSync:
         self.pending_budget: Callable[[], int] = lambda: max_pending_bytes  # shard_module: the Gatherer's policy
         self._pending: list[PendingReduce] = []
         self._replicated: list[tuple[torch.Tensor, object]] = []  # (parameter, group): .grad averaged at the end
+        self._replicated_later: dict[int, torch.Tensor] = {}  # id -> this backward's gradient, .grad already set
         self._replicated_params: dict[int, tuple] = {}  # id -> (parameter, group, name), in registration order
         self._finish_queued_for = None  # the backward (graph task) whose end-of-backward callback is queued
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
@@ -264,15 +265,22 @@ class GradSync:
             if param is not None and _grad_landing.captured_by_autograd_grad(param):  # this rank's own gradient
                 return grad
             key = f"replicated:{id(hook)}"
-            self._queue_finish_once()
-            if not self.enabled:
+            if not self.enabled:  # nothing is reduced at this backward's end (gradient_sync off)
                 return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))
+            self._queue_finish_once()
             grad = self._with_deferred(key, grad.detach()).clone()
-            if param is not None and param.grad is None and not _read_by_user_hooks(param):
-                # AccumulateGrad copies a gradient someone else still references, so keep the parameter and
-                # average its .grad (this backward's gradient: it had none) at the end.
-                self._replicated.append((param, group))
-                return grad
+            if param is not None and not _read_by_user_hooks(param):
+                if param.grad is None and id(param) not in self._replicated_later:
+                    # AccumulateGrad copies a gradient someone else still references, so keep the parameter and
+                    # average its .grad (this backward's gradient: it had none) at the end.
+                    self._replicated.append((param, group))
+                    return grad
+                # .grad holds earlier micro-batches' mean: this backward's gradient waits aside, and AccumulateGrad
+                # adds zeros (see [Note: replicated gradients])
+                kept = self._replicated_later.setdefault(id(param), grad)
+                if kept is not grad:
+                    kept.add_(grad)
+                return torch.zeros_like(grad)
             _comm.all_reduce(grad, group, op="avg", label=f"average of the replicated gradient of {name!r}")
             return grad
 
@@ -299,30 +307,51 @@ class GradSync:
     # parameter adds zeros; the mean is then the unsharded run's (an expert one rank's tokens skipped), and a
     # parameter no rank reached keeps grad None.  The gradients in the order the hooks fired put one parameter's
     # gradient beside another's where the ranks' data took different paths (an MoE's per-expert gains, two heads
-    # picked by the batch): averaged with each other, silently.
+    # picked by the batch): averaged with each other, silently.  A later micro-batch (``.grad`` already holds the
+    # mean of the earlier ones) is averaged at the end the same way: its gradient waits aside (AccumulateGrad adds
+    # zeros) and its mean is added to ``.grad``; so are gradients kept while ``gradient_sync`` was off that this
+    # backward did not reach.  Only a gradient a user hook reads during backward is averaged at once.
     def _finish_replicated(self) -> None:
         if self._finish_queued_for is None:  # no gradient of this module in this backward (or done already)
             return
         self._finish_queued_for = None
         pending, self._replicated = self._replicated, []
+        later, self._replicated_later = self._replicated_later, {}
+        if torch._C._current_graph_task_id() == -1:  # a failed backward's, finished at the next forward: its
+            later = {}  # gradients that were waiting aside are dropped, as its unreduced ones are
+        else:
+            self._take_unreached_deferred(later)
         reached = {id(param) for param, _ in pending if param.grad is not None}  # (a failed backward's: none)
         buckets: dict = {}
         for param, group, name in self._replicated_params.values():
-            if param.requires_grad or id(param) in reached:
+            if param.requires_grad or id(param) in reached or id(param) in later:
                 buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))
         for group, params in buckets.values():
-            self._average_replicated(group, params, reached)
+            self._average_replicated(group, params, reached, later)
+
+    def _take_unreached_deferred(self, later: dict) -> None:
+        """Move the replicated gradients kept while ``gradient_sync`` was off, that this backward did not reach,
+        into ``later``: averaged in the flat all-reduce, not one by one in an order that depends on the data."""
+        owners = self.__dict__.get("_deferred_owner", {})
+        for key in [k for k in self._deferred if k.startswith("replicated:") and k in owners]:
+            param = owners.pop(key)[0]
+            kept = self._deferred.pop(key)
+            if id(param) in later:
+                later[id(param)].add_(kept)
+            else:
+                later[id(param)] = kept
 
     @torch.no_grad()
-    def _average_replicated(self, group, params: list, reached: set) -> None:
+    def _average_replicated(self, group, params: list, reached: set, later: dict) -> None:
         sizes = [param.numel() for param, _ in params]
         total = sum(sizes)
         flat = torch.zeros(total + len(params), dtype=params[0][0].dtype, device=params[0][0].device)
         values, counts = flat[:total].split(sizes), flat[total:]
         for k, (param, _) in enumerate(params):
-            if id(param) in reached:
-                values[k].copy_(param.grad.reshape(-1))
-                counts[k] = 1
+            for local in (param.grad if id(param) in reached else None, later.get(id(param))):
+                if local is not None:
+                    values[k].add_(local.reshape(-1))
+                    counts[k] = 1
         _comm.all_reduce(flat, group, label=f"replicated gradients of {params[0][1]!r} and {len(params) - 1} more")
         world = _comm.world_size(group)
         for k, (param, _) in enumerate(params):

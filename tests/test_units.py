@@ -361,8 +361,8 @@ class _TwoGains(nn.Module):
 
 
 def failed_backward_case(mode: str) -> dict:
-    """A backward that raises after a replicated parameter's hook fired, ``zero_grad()``, then two steps in which
-    the ranks' data pick different 0-d gains."""
+    """A second micro-batch whose backward raises after a replicated parameter's hook fired, ``zero_grad()``, then
+    two steps in which the ranks' data pick different 0-d gains."""
     import torch.distributed as dist
 
     import shardtensor
@@ -376,12 +376,13 @@ def failed_backward_case(mode: str) -> dict:
         xs = [torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + r))
               for r in range(world)]
         heads = [0 if step == 0 else r % 2 for r in range(world)]
-        _FailsWhenArmed.armed = step == 0
-        for loss in (model(xs[rank], heads[rank]), sum(reference(x, h) for x, h in zip(xs, heads)) / world):
-            try:
-                loss.backward()
-            except RuntimeError:
-                assert step == 0
+        for micro in range(2 if step == 0 else 1):  # step 0: the second micro-batch's backward fails
+            _FailsWhenArmed.armed = step == 0 and micro == 1
+            for loss in (model(xs[rank], heads[rank]), sum(reference(x, h) for x, h in zip(xs, heads)) / world):
+                try:
+                    loss.backward()
+                except RuntimeError:
+                    assert _FailsWhenArmed.armed
         _FailsWhenArmed.armed = False
         for opt in opts:
             if step:
@@ -400,25 +401,70 @@ def test_a_failed_backward_leaves_no_replicated_gradient_behind(mode):
         assert diffs[worst] < 1e-10, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
 
 
-def accumulated_gains_case() -> dict:
-    """Two micro-batches without ``gradient_sync``; each rank's data picks its own 0-d gain."""
+def accumulated_gains_case(mode: str, no_sync: bool) -> dict:
+    """Two steps of three micro-batches (the first two inside ``gradient_sync(model, False)`` when ``no_sync``); each
+    rank's data picks its own 0-d gain, another one in each micro-batch.  Largest difference from the unsharded
+    run of every rank's batch."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    import shardtensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _TwoGains(4, 4)
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(2):
+        for micro in range(3):
+            xs = [torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + 10 * micro
+                                                                                                   + r))
+                  for r in range(world)]
+            heads = [(r + micro + step) % 2 for r in range(world)]
+            deferred = no_sync and micro < 2
+            with shardtensor.gradient_sync(model, False) if deferred else contextlib.nullcontext():
+                model(xs[rank], heads[rank]).backward()
+            (sum(reference(x, h) for x, h in zip(xs, heads)) / world).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    return {k: (full[k] - v).abs().max().item() for k, v in reference.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("no_sync", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_parameters_picked_per_rank_in_later_micro_batches_train_like_the_unsharded_model(
+        mode, no_sync, world):
+    # A later micro-batch's replicated gradients were averaged as their hooks fired, each under its own name: the
+    # ranks ran different collectives (DivergenceError), and deferred ones (gradient_sync off) that the synced
+    # backward did not reach were averaged one by one in an order the data decided.
+    for rank, diffs in enumerate(run_on_ranks(world, accumulated_gains_case, mode, no_sync, timeout=120)):
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < 1e-10, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
+
+
+def hooked_gains_case() -> dict:
+    """A user hook on both 0-d gains (it reads their gradients during backward); each rank's data picks its own."""
     import torch.distributed as dist
 
     import shardtensor
 
     shardtensor.set_collective_timeout(30)
     model = shardtensor.shard_module(_TwoGains(4, 4), gather="sequential")
-    rank = dist.get_rank()
+    for gain in (model.a, model.b):
+        gain.register_hook(lambda g: g.clamp(-1, 1))
     try:
-        for micro in range(2):
-            model(torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(micro)),
-                  rank % 2).backward()
+        model(torch.randn(3, 4, dtype=torch.float64), dist.get_rank() % 2).backward()
     except shardtensor.DivergenceError as exc:
         return {"error": str(exc)}
     return {"error": None}
 
 
-def test_replicated_parameters_picked_per_rank_in_a_later_micro_batch_are_named_with_their_fix():
-    # A later micro-batch averages them as their hooks fire; the message suggested gather units (no help).
-    for out in run_on_ranks(2, accumulated_gains_case, timeout=120):
-        assert out["error"] and "one micro-batch per step" in out["error"], out
+def test_replicated_parameters_a_hook_reads_picked_per_rank_are_named_with_their_fix():
+    # Averaged at once (the hook reads the mean), each under its own name; the message suggested one micro-batch
+    # per step (no help) before later micro-batches were averaged at the end of backward.
+    for out in run_on_ranks(2, hooked_gains_case, timeout=120):
+        assert out["error"] and "remove the hook" in out["error"], out

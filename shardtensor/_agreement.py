@@ -54,19 +54,21 @@ def _group_and_world(param) -> tuple:
 
 def differing(items: list, what: str, refusal: str = "") -> list:
     """Names of ``items`` (``(name, param, full)`` of one group) whose full tensors differ between ranks; ``[None]``
-    if another rank refuses the write (its flag rides first in the exchange)."""
+    if another rank refuses the write (its flag rides first in the exchange: 2 for a ``RuntimeError``, torch's
+    load errors, and ``[None, RuntimeError]`` then, so every rank raises the type a handler expects)."""
     if not items:
         return []
     group, world = _group_and_world(items[0][1])
     if world == 1:
         return []
-    mine = torch.tensor([int(bool(refusal))] + [_digest(full) for _, _, full in items], dtype=torch.int64,
+    flag = 2 if isinstance(refusal, RuntimeError) else int(bool(refusal))
+    mine = torch.tensor([flag] + [_digest(full) for _, _, full in items], dtype=torch.int64,
                         device=items[0][1]._local.device)
     label = f"{what}: digests of the full tensors of {items[0][0]!r}" + (
         f" and {len(items) - 1} more" if len(items) > 1 else "")
     everyone = _comm.all_gather_rows(mine.unsqueeze(0), group, label=label).buffer.cpu()
     if bool(everyone[:, 0].any()):
-        return [None]
+        return [None, RuntimeError] if int(everyone[:, 0].max()) == 2 else [None]
     return [items[k][0] for k in range(len(items)) if not bool((everyone[:, k + 1] == everyone[0, k + 1]).all())]
 
 
@@ -82,8 +84,9 @@ def refuse_differing(items: list, what: str, refusal: str = "") -> None:
         if refusal:
             raise refusal if isinstance(refusal, Exception) else ValueError(refusal)
         if names and names[0] is None:
-            raise ValueError(f"{what}: another rank refused it (its error names the tensor and the fix), so no "
-                             "rank copies anything: a load is all ranks' or none's.")
+            error = names[-1] if len(names) > 1 else ValueError
+            raise error(f"{what}: another rank refused it (its error names the tensor and the fix), so no "
+                        "rank copies anything: a load is all ranks' or none's.")
         if names:
             raise ValueError(
                 f"{what}: the full tensor written into the sharded parameter {names[0]!r}"

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "other_ranks_refusal_type_lost": Mutation(
+        "shardtensor/_agreement.py", "differing",
+        "    flag = 2 if isinstance(refusal, RuntimeError) else int(bool(refusal))",
+        "    flag = int(bool(refusal))",
+        ("tests/test_misuse.py::test_a_load_torch_refuses_raises_on_every_rank_before_anything_is_copied",)),
     "later_replicated_grads_averaged_at_once": Mutation(
         "shardtensor/reduce.py", "replicated_grad_hook",
         "            if param is not None and not _read_by_user_hooks(param):\n"

@@ -48,7 +48,10 @@ _FIX = (
     "(shard_module(..., units=[ExpertsModuleClass]): its parameters are gathered and reduced together, whatever "
     "the data), call every expert on every rank (with zero tokens if none is routed to it), or keep "
     "such parameters whole on every rank (shard_module(..., persist_numel=N) with N above the parameters' full "
-    "numel, not the shard sizes named above). "
+    "numel, not the shard sizes named above). A loss that on some rank does not use an output computed from "
+    "sharded parameters (a head's result dropped, an auxiliary loss added on some ranks only) runs that backward "
+    "on the other ranks only: write the loss the same way on every rank and weight that output by 0 where it must "
+    "not count (loss = main + w * aux, w = 0.0 there; units do not help). "
     "set_divergence_check(False) turns this check off."
 )
 
@@ -103,6 +106,7 @@ _positions: dict = {}  # id(group) -> _Position
 _steps_left_out = False  # see steps_left_out
 _crc_cache: dict = {}
 _stats = [0, 0.0]  # identity checks passed, seconds spent in them (see identity_check_stats)
+_divergences = [0]  # see divergences_named
 
 
 def identity_check_stats() -> dict:
@@ -323,7 +327,14 @@ def _raise_step_divergence(records: list, group, pos: _Position):
         "(dist.all_reduce(flag, op=dist.ReduceOp.MAX)), or let torch.amp.GradScaler skip it (its skips agree).")
 
 
+def divergences_named() -> int:
+    """How many ``DivergenceError``s of mismatched collectives this process raised (every rank raises each one):
+    a Gatherer that sees the count move forgets the gather order it recorded (see ``Gatherer._begin_step``)."""
+    return _divergences[0]
+
+
 def _raise_divergence(records: list, text: str, group, pos: _Position, all_gather):
+    _divergences[0] += 1
     world = len(records)
     encoded = text.encode()[:_LABEL_BYTES]
     mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 import torch
 
 from . import _comm
+from ._comm_divergence import divergences_named
 from ._layout import ShardLayout
 from ._full import gather_full, gather_now  # noqa: F401  (gather_full: re-exported for callers of the Gatherer)
 from ._memory import AgreedPressure, shared_monitor
@@ -126,12 +127,8 @@ class Gatherer:
         self._unchecked = True
         self._communicates = False  # a world of one gathers by aliasing: nothing to prefetch or overlap
         self._aliases_shards = False  # ... and with nothing to cast or fetch, acquire() returns the shard itself
-        # accounting, read by tests and benchmarks
-        self.gathers = 0
-        self.prefetches = 0
-        self.prefetch_hits = 0
-        self.mismatches = 0
-        self.max_alive = 0
+        self.gathers = self.prefetches = self.prefetch_hits = self.mismatches = self.max_alive = 0  # (accounting)
+        self._divergences_seen = divergences_named()
         self._alive_refs: list[weakref.ref] = []
         self.held: dict = {}  # id(shard) -> ``_unit_buffers.HeldFull``: the full base its unit gathered
 
@@ -205,6 +202,9 @@ class Gatherer:
         self._drop_all()
         if self.mode is GatherMode.AUTO and self._communicates:  # every rank alike (see _memory.AgreedPressure)
             self.auto.agree(self._params[0].device, self._params[0]._layout.group)
+        if self._divergences_seen != divergences_named():  # a DivergenceError was caught: the ranks' partial
+            self._divergences_seen, self._order, self._recording = divergences_named(), [], []  # orders differ
+            self._state = GatherState.RECORDING
         if self._state is GatherState.RECORDING and self._recording:
             self._order = self._recording
             self._to_state(GatherState.REPLAYING)

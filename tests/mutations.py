@@ -28,6 +28,12 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "order_kept_after_caught_divergence": Mutation(
+        "shardtensor/gather.py", "_begin_step",
+        "        if self._divergences_seen != divergences_named():",
+        "        if False:",
+        ("tests/test_divergence.py::test_a_loss_that_drops_a_heads_output_on_one_rank_is_named_with_the_fix_that_"
+         "works",)),
     "other_ranks_refusal_type_lost": Mutation(
         "shardtensor/_agreement.py", "differing",
         "    flag = 2 if isinstance(refusal, RuntimeError) else int(bool(refusal))",

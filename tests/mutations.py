@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "indexed_write_rows_not_shifted": Mutation(
+        "shardtensor/_dispatch/row_writes.py", "_own_entries",
+        "    return mine, rows[mine] - layout.row_start", "    return mine, rows[mine]",
+        ("tests/test_row_writes.py::test_indexed_writes_equal_the_same_writes_on_plain_tensors",)),
+    "indexed_write_indices_unchecked": Mutation(
+        "shardtensor/_dispatch/row_writes.py", "_agree",
+        "    _agreement.refuse_differing(items, f\"{what} into {target._name!r}\")", "    pass",
+        ("tests/test_row_writes.py::test_indexed_writes_with_indices_that_differ_between_ranks_are_refused_on_every_"
+         "rank",)),
     "unit_output_without_gradient_left": Mutation(
         "shardtensor/_units.py", "_post_forward",
         "            if not outputs and inputs:", "            if False:",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..tensor import ShardedParam
-from . import reductions, sequential, traced, views  # noqa: F401  (importing a rule module registers its rules)
+from . import reductions, row_writes, sequential, traced, views  # noqa: F401  (importing a rule module registers its rules)
 from ._common import FAMILIES, TABLE, OpFamily, Rule, ShardedOpError, implements
 from .compute import compute
 from .local import _local

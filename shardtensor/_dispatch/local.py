@@ -217,7 +217,6 @@ def _whole_base_reshape(view: ShardedParam) -> bool:
             and stride == torch.empty(shape, device="meta").stride())
 
 
-@implements(aten.index_put_.default)
 def _index_put_by_mask(func, args, kwargs):
     """``g[mask] = v`` with a boolean mask of ``g``'s own placement and one value (torch.optim.Rprop:
     ``grad[sign.eq(etaminus)] = 0``) is element-wise: run it on the shards.  Anything else gathers or is refused

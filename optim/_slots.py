@@ -100,6 +100,7 @@ class Slot:
     queued: bool = False  # a speculative job was submitted this step
     spec_hp: Optional[Hyper] = None  # set by the worker when the speculative step was applied
     grad_key: Optional[tuple] = None  # grad_state() of the gradient that was snapshotted
+    watch_key: Optional[tuple] = None  # grad_state() at the final hook while speculation waits (see cpu_adam rule 8)
     sumsq: Optional[float] = None
 
     def local(self) -> torch.Tensor:
@@ -150,6 +151,7 @@ class Slot:
         self.queued = False
         self.spec_hp = None
         self.grad_key = None
+        self.watch_key = None
         self.sumsq = None
 
 

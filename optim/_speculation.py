@@ -48,6 +48,7 @@ class SpeculationMixin:
         self._spec_count = 0  # speculative steps applied this step (worker)
         self._spec_sumsq = 0.0  # worker's running sum of squared norms this step
         self._rolled_in_hooks = False  # a hook rolled back a speculation this step (rule 5)
+        self._rewritten_after_hooks = False  # gradients change between their hooks and step() (rule 8)
         self._accumulating = False
         self._expected_hooks = 1
         self._d2h_stream: Any = None  # side stream: snapshot copies overlap backward on the compute stream
@@ -97,6 +98,8 @@ class SpeculationMixin:
             self._rolled_in_hooks = True
             self._submit(self._rollback_job, slot)
             return
+        if slot.hooks == self._expected_hooks and self._rewritten_after_hooks:  # rule 8: watch, do not speculate
+            slot.watch_key = slot.grad_state()
         if not self._may_speculate() or slot.hooks != self._expected_hooks:
             return
         g = slot.grad_local()
@@ -111,6 +114,15 @@ class SpeculationMixin:
         if self._phase is SpecPhase.IDLE:
             self._to_phase(SpecPhase.SPECULATING)
         self._submit(self._speculate_job, slot, hyper_of(slot.group), int(slot.step_t.item()) + 1)
+
+    def _rewritten_since_hooks(self, slots: list) -> Optional[bool]:
+        """Whether a gradient changed between its final hook and ``step()`` (rule 8): from the speculations'
+        snapshots, or from the versions noted while paused; None where no hook noted anything."""
+        noted = [(s.grad_key, s) for s in slots if s.spec_hp is not None or s.queued] + \
+                [(s.watch_key, s) for s in slots if s.watch_key is not None]
+        if not noted:
+            return None
+        return any(key != s.grad_state() for key, s in noted)
 
     def _submit(self, fn: Callable, slot: Slot, *args: Any) -> None:
         if self._executor is None:

@@ -48,6 +48,11 @@ Trade-offs:
 7. Clipping follows ``torch.nn.utils.clip_grad_norm_``: ``coef = max_norm / (norm + 1e-6)``, applied when < 1.
    A clipped step rolls back every speculation and redoes the step with clipped gradients.  After
    ``clip_patience`` clipped steps in a row, speculation pauses until a step does not clip.
+8. Gradients rewritten between their hooks and ``step()`` (``torch.amp.GradScaler``'s unscale, a clip or a
+   transform by hand): the speculations are redone (rule 5), and speculation pauses from the next step on,
+   because undoing a step taken on a gradient 65536x too large (GradScaler's default scale) loses the moments
+   (see [Note: rollback error]; the first step's undo is exact, its moments start at zero).  While paused the
+   hooks still note each final gradient's version; a step whose gradients were not rewritten resumes it.
 """
 
 from __future__ import annotations
@@ -192,7 +197,8 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         return [0.0] * len(grads)
 
     def _paused(self) -> bool:
-        return self.max_grad_norm is not None and self._clip_streak >= self.clip_patience
+        return self._rewritten_after_hooks or (self.max_grad_norm is not None and
+                                               self._clip_streak >= self.clip_patience)
 
     # ------------------------------------------------------------------ step
 
@@ -211,6 +217,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         speculated, paused = self._spec_count > 0, self._paused()
         all_slots = [self._slot(p) for g in self.param_groups for p in g["params"]]
         slots = sorted((s for s in all_slots if s.param.grad is not None), key=lambda s: s.index)
+        rewritten = self._rewritten_since_hooks(slots)
         rolled_back = self._redo_changed_speculations(slots) or self._rolled_in_hooks
         spec = [s for s in slots if s.spec_hp is not None]
         rest = [s for s in slots if s.spec_hp is None]
@@ -233,6 +240,8 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         self.stats.record_step(speculated, rolled_back, clip, paused, skipped=not finite)
         if finite and self.max_grad_norm is not None:
             self._clip_streak = self._clip_streak + 1 if clip else 0  # rule 7
+        if rewritten is not None:
+            self._rewritten_after_hooks = rewritten  # rule 8
         hooks_seen = max((s.hooks for s in all_slots), default=0)
         if hooks_seen:
             self._expected_hooks = hooks_seen  # rule 5

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "speculation_on_rewritten_gradients": Mutation(
+        "optim/cpu_adam.py", "_paused",
+        "        return self._rewritten_after_hooks or (", "        return False or (",
+        ("tests/test_cpu_adam.py::test_speculative_steps_under_a_grad_scaler_equal_torchs_adamw",)),
     "indexed_write_rows_not_shifted": Mutation(
         "shardtensor/_dispatch/row_writes.py", "_own_entries",
         "    return mine, rows[mine] - layout.row_start", "    return mine, rows[mine]",

@@ -23,6 +23,7 @@ import torch
 from . import _comm
 from ._agreement import any_rank
 from ._misuse import _DEFERRING, _deferred_name
+from ._torch_state_dict import full_optimizer_state_for_torch_helpers
 
 _FIX_OPTIMIZER = ("Fix: build the optimizer, and any parameter lists its groups take (decay / no-decay groups "
                   "from model.named_parameters()), after shard_module (opt = torch.optim.X(model.parameters(), "
@@ -131,6 +132,7 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
         return
     if optimizer not in _STATE_SEEN:  # the id alone is not enough: the replaced state's id is often reused
         optimizer.register_load_state_dict_post_hook(_forget_checked_state)
+        optimizer.register_state_dict_post_hook(full_optimizer_state_for_torch_helpers)
     refusal, loaded, group = _state_of_another_rank(optimizer)
     if loaded and any_rank(refusal is not None, group, f"{type(optimizer).__name__}.step(): loaded state's verdicts"):
         if refusal is None:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _agreement, _comm, _misuse, _misuse_optim  # noqa: F401  (_misuse_optim: its global step hooks)
+from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict  # noqa: F401  (_misuse_optim: step hooks)
 from ._layout import ShardLayout
 from ._full import gather_full
 from ._traced import record_param_dtype
@@ -290,6 +290,7 @@ def _hook_loads(module: nn.Module, names: dict, handles: list) -> None:
             handles.append(submodule.register_load_state_dict_pre_hook(
                 functools.partial(_agreement.agree_on_load, below[module_name], module_name == "")))
     handles.append(module.register_load_state_dict_post_hook(_agreement.loaded))
+    handles.append(module.register_state_dict_post_hook(_torch_state_dict.full_model_state_for_torch_helpers))
 
 
 def _refuse_sparse_embeddings(module: nn.Module) -> None:

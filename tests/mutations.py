@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "torch_full_state_dict_gives_rows": Mutation(
+        "shardtensor/_torch_state_dict.py", "_full_state_options",
+        "            return info if getattr(info, \"full_state_dict\", False) else None", "            return None",
+        ("tests/test_dcp_state_dict.py::test_torchs_full_state_dict_export_gives_full_tensors",)),
     "speculation_on_rewritten_gradients": Mutation(
         "optim/cpu_adam.py", "_paused",
         "        return self._rewritten_after_hooks or (", "        return False or (",

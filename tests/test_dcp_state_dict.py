@@ -115,3 +115,50 @@ def test_an_unverified_load_of_a_checkpoint_missing_a_file_changes_nothing(tmp_p
         for error, unchanged in run_on_ranks(2, unverified_damaged_case, str(damaged)):
             assert "CheckpointError" in error and "__1_0.distcp" in error and "nothing was loaded" in error, error
             assert unchanged, damage
+
+
+def full_export_case(cpu_offload: bool) -> dict:
+    """FSDP2's export recipe: ``get_model_state_dict`` / ``get_optimizer_state_dict`` with
+    ``full_state_dict=True``, against the unsharded model and AdamW trained on every rank's batch."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.Linear(5, 11)).double()
+    model = shardtensor.shard_module(copy.deepcopy(reference))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    xs = [torch.randint(0, 11, (4,), generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    model(xs[rank]).square().mean().backward()
+    (sum(reference(x).square().mean() for x in xs) / world).backward()
+    for opt in opts:
+        opt.step()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = get_optimizer_state_dict(model, opts[0], options=options)
+    ref_optim = get_optimizer_state_dict(reference, opts[1], options=StateDictOptions(full_state_dict=True))
+    out = {"keys": len(model_sd), "plain": all(type(v) is torch.Tensor for v in model_sd.values())}
+    if model_sd:
+        out["model_diff"] = max((model_sd[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+        out["optim_diff"] = max((optim_sd["state"][k][m] - ref_optim["state"][k][m]).abs().max().item()
+                                for k in ref_optim["state"] for m in ("exp_avg", "exp_avg_sq"))
+        out["optim_plain"] = all(type(optim_sd["state"][k][m]) is torch.Tensor for k in optim_sd["state"]
+                                 for m in ("exp_avg", "exp_avg_sq"))
+    out["sharded_after"] = isinstance(model.state_dict()["1.weight"], shardtensor.ShardedParam)
+    return out
+
+
+def test_torchs_full_state_dict_export_gives_full_tensors(tmp_path):
+    # get_model_state_dict(full_state_dict=True) gave each ShardedParam as this rank's rows: rank 0 saved part of
+    # the model (FSDP2's export recipe), silently.
+    for cpu_offload in (True, False):
+        for rank, out in enumerate(run_on_ranks(2, full_export_case, cpu_offload)):
+            assert out["sharded_after"], out  # a plain state_dict() keeps its shards (DCP saves rows)
+            if cpu_offload and rank:
+                assert out["keys"] == 0, out  # torch's helper: rank 0 only
+                continue
+            assert out["keys"] == 5 and out["plain"] and out["optim_plain"], out
+            assert out["model_diff"] < 1e-12 and out["optim_diff"] < 1e-12, out

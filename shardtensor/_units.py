@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
 from . import _comm, _grad_landing, _misuse
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
-from ._unit_autograd import AttachToInputs, PostBackward
+from ._unit_autograd import PostBackward
 from ._unit_policy import UnitPolicy, select_units  # noqa: F401  (UnitPolicy: re-exported)
 from ._unit_buffers import (FlatGrads, FullsPool, HeldFull, complete_unit_gathers, finish_reductions, flat_dtype,
                             issue_unit_gathers, reduce_exact)
@@ -298,22 +298,11 @@ class UnitSet:
             unit.gives = self._next_overlapped(unit, +1) is not None
             unit.unhold()
             unit.gives = False
-            if not torch.is_grad_enabled():
-                return None
-            attached = None
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]  # (PostBackward's)
-            if not outputs and inputs:  # see [Note: a unit's output that needs no gradient on one rank]
-                leaves, spec = tree_flatten(output)
-                where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-                copies = AttachToInputs.apply(len(where), *[leaves[i] for i in where], *inputs) if where else ()
-                for i, copy in zip(where, copies):
-                    leaves[i] = copy
-                attached, outputs = tree_unflatten(leaves, spec), list(copies)
-            if outputs:
+            if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit),
                                                               mode="any")
-            return attached
+            return None
 
         return hook
 

@@ -45,10 +45,6 @@ MUTATIONS = {
         "    _agreement.refuse_differing(items, f\"{what} into {target._name!r}\")", "    pass",
         ("tests/test_row_writes.py::test_indexed_writes_with_indices_that_differ_between_ranks_are_refused_on_every_"
          "rank",)),
-    "unit_output_without_gradient_left": Mutation(
-        "shardtensor/_units.py", "_post_forward",
-        "            if not outputs and inputs:", "            if False:",
-        ("tests/test_units.py::test_a_rank_whose_tokens_reach_no_expert_trains_like_the_unsharded_model",)),
     "order_kept_after_caught_divergence": Mutation(
         "shardtensor/gather.py", "_begin_step",
         "        if self._divergences_seen != divergences_named():",

@@ -46,6 +46,18 @@ def refuse_plain_grad_in_unit(p) -> None:
             "gradient), or change gradients after backward() (p.grad is sharded: p.grad.mul_(c), p.grad.to_local())")
 
 
+def refuse_persisted_with_param_dtype(module: nn.Module, persist_numel: int, param_dtype) -> None:
+    """Parameters kept whole (``persist_numel``) are never gathered, so nothing casts them to ``param_dtype``:
+    the first op that meets them beside the cast weights failed with torch's "Float and BFloat16"."""
+    kept = [n for n, p in module.named_parameters() if param_dtype is not None and p.is_floating_point()
+            and 0 < p.numel() < persist_numel and p.dtype != param_dtype]
+    if kept:
+        raise ValueError(f"shard_module: persist_numel={persist_numel} keeps {kept[0]!r} (and {len(kept) - 1} more) "
+                         f"whole in {module.get_parameter(kept[0]).dtype}, and param_dtype={param_dtype} casts only "
+                         "the gathered parameters: the forward would meet both in one op. Fix: persist_numel=0 "
+                         "with param_dtype, or param_dtype=None and the forward under torch.autocast.")
+
+
 def refuse_before_sharding(module: nn.Module) -> None:
     """Checks that need the parameters as they are before ``shard_module`` replaces any of them."""
     _refuse_overlapping_parameters(module)

@@ -115,6 +115,7 @@ def shard_module(
     policy = _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel)
     precision = _precision_policy(mixed_precision, param_dtype, reduce_dtype)
     param_dtype, persist_numel = precision.param_dtype, policy.persist_numel
+    _misuse.refuse_persisted_with_param_dtype(module, persist_numel, param_dtype)
     gatherer = Gatherer(policy.mode, prefetch_bytes=policy.prefetch_bytes, min_free_bytes=policy.min_free_bytes,
                         param_dtype=param_dtype)
     reducer = reducer if reducer is not None else ExactReducer(precision.reduce_dtype)

@@ -93,3 +93,16 @@ def gather_bytes(param_dtype) -> int:
 def test_bf16_gathers_move_half_the_bytes():
     fp32, bf16 = run_on_ranks(2, gather_bytes, None)[0], run_on_ranks(2, gather_bytes, torch.bfloat16)[0]
     assert bf16 * 2 == fp32
+
+
+def test_parameters_kept_whole_beside_param_dtype_are_named_at_shard_module():
+    # The kept-whole biases stayed fp32 while the gathered weights were cast: the first forward failed with
+    # torch's "self and mat2 must have the same dtype, but got Float and BFloat16".
+    import shardtensor
+
+    with pytest.raises(ValueError, match=r"persist_numel=100 keeps '0.weight' \(and 3 more\).*Fix: persist_numel=0"):
+        shardtensor.shard_module(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+                                 param_dtype=torch.bfloat16, persist_numel=100)
+    same = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    shardtensor.shard_module(same, param_dtype=torch.bfloat16, persist_numel=100)  # already that dtype: fine
+    assert same(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16

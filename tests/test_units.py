@@ -405,18 +405,25 @@ class _TwoGains(nn.Module):
         return (_FailsWhenArmed.apply(self.lin(x)) * (self.a if head == 0 else self.b)).square().mean()
 
 
-def failed_backward_case(mode: str) -> dict:
-    """A second micro-batch whose backward raises after a replicated parameter's hook fired, ``zero_grad()``, then
-    two steps in which the ranks' data pick different 0-d gains."""
+def _two_gains_pair(dim_in: int, dim_out: int, mode: str) -> tuple:
+    """(rank, world, the unsharded ``_TwoGains``, its sharded copy, an SGD for each)."""
     import torch.distributed as dist
 
     import shardtensor
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    reference = _TwoGains(6, 8)
+    reference = _TwoGains(dim_in, dim_out)
     model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    return dist.get_rank(), dist.get_world_size(), reference, model, opts
+
+
+def failed_backward_case(mode: str) -> dict:
+    """A second micro-batch whose backward raises after a replicated parameter's hook fired, ``zero_grad()``, then
+    two steps in which the ranks' data pick different 0-d gains."""
+    import shardtensor
+
+    rank, world, reference, model, opts = _two_gains_pair(6, 8, mode)
     for step in range(3):
         xs = [torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + r))
               for r in range(world)]
@@ -452,15 +459,9 @@ def accumulated_gains_case(mode: str, no_sync: bool) -> dict:
     run of every rank's batch."""
     import contextlib
 
-    import torch.distributed as dist
-
     import shardtensor
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    reference = _TwoGains(4, 4)
-    model = shardtensor.shard_module(copy.deepcopy(reference), gather=mode)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    rank, world, reference, model, opts = _two_gains_pair(4, 4, mode)
     for step in range(2):
         for micro in range(3):
             xs = [torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + 10 * micro

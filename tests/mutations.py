@@ -28,6 +28,12 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "nvme_unit_in_use_raises": Mutation(
+        "offload/nvme.py", "make_room",
+        "                        return True\n                    return False",
+        "                        raise RuntimeError(\"no room\")\n                    return False",
+        ("tests/test_offload.py::test_a_unit_that_does_not_fit_beside_units_in_use_goes_over_the_budget_with_a_"
+         "warning",)),
     "torch_full_state_dict_gives_rows": Mutation(
         "shardtensor/_torch_state_dict.py", "_full_state_options",
         "            return info if getattr(info, \"full_state_dict\", False) else None", "            return None",

@@ -70,6 +70,18 @@ def test_nvme_offloaded_state_trains_like_resident_state_within_budget(tmp_path,
         assert s["writes"] > 0 and s["reads"] > 0 and s["bytes_read"] >= r["state_bytes"], r
 
 
+def test_a_unit_that_does_not_fit_beside_units_in_use_goes_over_the_budget_with_a_warning(tmp_path):
+    # A budget at the largest unit with speculative steps: a unit that did not fit while every resident one was in
+    # use (the worker stepping one, the hooks bringing in the next) raised RuntimeError inside backward, in 2 of 3
+    # runs of a trial on one rank only (the other then got "Connection closed by peer").
+    offload = NVMeOffload(str(tmp_path), budget_bytes=4096)
+    offload.register("a", {"m": torch.zeros(1024)})  # 4096 bytes: the whole budget
+    with offload.use(["a"]), pytest.warns(UserWarning, match="going over it"):
+        assert offload.make_room(4096)  # a second unit while "a" is in use
+    assert offload.over_budget == 1
+    offload.close()
+
+
 # ---------------------------------------------------------------------------------------------- acceptance 2
 class _FaultyIO:
     """Writer/reader with random delays; the writer raises ENOSPC for files whose name contains ``fail``."""

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from shardtensor._agreement import any_rank
+from shardtensor._torch_state_dict import full_optimizer_state_for_torch_helpers  # noqa: F401  (CPUAdam.state_dict)
 
 from ._slots import is_sharded
 

@@ -69,7 +69,7 @@ from ._batched import BatchedStepsMixin
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
     local_of, self_mastered, stage_grad
 from ._speculation import SpecPhase, SpeculationMixin
-from ._state_shards import as_shards, local_rows
+from ._state_shards import as_shards, full_optimizer_state_for_torch_helpers, local_rows
 from .state_store import MOMENTS, HostStore, StateStore
 
 __all__ = ["CPUAdam", "SpeculationStats"]
@@ -366,7 +366,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
             copies = self._store.export(slot.index) if slot is not None else None
             # A new dict: torch packs the live per-parameter dicts, which must keep the store's tensors.
             sd["state"][i] = as_shards({**state, **(copies or {})}, params[i])
-        return sd
+        return full_optimizer_state_for_torch_helpers(self, sd)  # torch's full_state_dict helpers: full tensors
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load; state re-homed on the CPU in fp32 from the given tensors (the base class casts to a bf16 param's)."""

@@ -127,3 +127,35 @@ def test_indexed_writes_with_indices_that_differ_between_ranks_are_refused_on_ev
         assert out.pop("unchanged"), f"rank {rank}: the shard changed"
         for what, message in out.items():
             assert "differs between ranks" in message and "'weight" in message, (rank, what, message)
+
+
+def torchs_index_errors_case() -> dict:
+    """Writes torch refuses: the sharded write must raise the same error type, and change nothing."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(torch.nn.Linear(4, 7, bias=False))
+    before = model.weight.to_local().clone()
+    writes = {"a mask of 6 rows on 7": lambda w: w.__setitem__(torch.ones(6, dtype=torch.bool), 1.0),
+              "index_copy_ with a negative index": lambda w: w.index_copy_(0, torch.tensor([-1, 1]), torch.ones(2, 4))}
+    out = {}
+    for what, fn in writes.items():
+        errors = []
+        for w in (torch.zeros(7, 4), model.weight):
+            try:
+                with torch.no_grad():
+                    fn(w)
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - the test compares the types
+                errors.append(type(exc).__name__)
+        out[what] = errors
+    out["unchanged"] = torch.equal(before, model.weight.to_local())
+    return out
+
+
+def test_indexed_writes_torch_refuses_are_refused_alike():
+    # A mask of the wrong length and index_copy_'s negative index went through, sharded (torch raises IndexError).
+    for rank, out in enumerate(run_on_ranks(2, torchs_index_errors_case, timeout=60)):
+        assert out.pop("unchanged"), rank
+        for what, (plain, sharded) in out.items():
+            assert plain == sharded == "IndexError", (rank, what, plain, sharded)

@@ -74,8 +74,14 @@ def _index_put_rows(target: ShardedParam, indices: list, values, accumulate: boo
         return False
     flat: list[Optional[torch.Tensor]] = []
     for index in indices:  # a boolean mask stands for one integer index per dim it covers
-        flat.extend(index.nonzero().unbind(1) if index is not None and index.dtype in (torch.bool, torch.uint8)
-                    else [index])
+        if index is not None and index.dtype in (torch.bool, torch.uint8):
+            covered = tuple(target.shape[len(flat):len(flat) + index.dim()])
+            if tuple(index.shape) != covered:  # torch's own check (a mask of 6 rows on 7 wrote rows 0-5)
+                raise IndexError(f"The shape of the mask {list(index.shape)} at index 0 does not match the shape "
+                                 f"of the indexed tensor {list(target.shape)} at index {len(flat)}")
+            flat.extend(index.nonzero().unbind(1))
+        else:
+            flat.append(index)
     given = [k for k, i in enumerate(flat) if i is not None]
     if not given or given != list(range(given[0], given[-1] + 1)) or given[0] > 1:
         return False  # advanced indices split by a slice move their dims to the front: not by rows
@@ -119,6 +125,9 @@ def _index_fill_or_copy(func, args, kwargs):
         copies = func is aten.index_copy_.default
         func(local, dim, index, _own_value_rows(value, target, target.dim()) if copies else value)
     else:
+        if func is aten.index_copy_.default and index.numel() and bool((index < 0).any()):  # as torch refuses
+            raise IndexError(f"index_copy_(): index {int(index.min())} is out of bounds for dimension 0 with size "
+                             f"{target.shape[0]}")
         mine, rows = _own_entries(index.reshape(-1), target)
         func(local, 0, rows, value[mine] if func is aten.index_copy_.default else value)
     _mark_written((target,))

@@ -59,7 +59,7 @@ class SpeculationStats:
     rolled_back_steps: int = 0  # steps in which at least one speculation was rolled back
     clipped_steps: int = 0
     skipped_steps: int = 0  # inf/NaN gradient somewhere (on any rank): nothing applied
-    paused_steps: int = 0  # steps with speculation paused after repeated clipping
+    paused_steps: int = 0  # steps with speculation paused (repeated clipping; gradients rewritten after hooks)
     speculated_params: int = 0
     rolled_back_params: int = 0
     early_clip_halts: int = 0  # steps in which speculation stopped once clipping was certain

@@ -306,19 +306,22 @@ def _refuse_sparse_embeddings(module: nn.Module) -> None:
 
 
 def _refuse_dtensor_parameters(module: nn.Module) -> None:
-    """A DTensor parameter (tensor parallel) is already distributed; sharding its local tensor again along dim 0
-    over another group is a 2-d layout (FSDP2 + TP) that shardtensor does not implement yet.  Fail before any
-    parameter is replaced."""
+    """A DTensor parameter (tensor parallel, or fully_shard's) is already distributed; sharding it again is a 2-d
+    layout (FSDP2 + TP) that shardtensor does not implement yet.  Fail before any parameter is replaced."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     for name, param in module.named_parameters():
         if isinstance(param, DTensor):
+            fsdp = [n or "the root" for n, m in module.named_modules() if isinstance(m, FSDPModule)]
             raise NotImplementedError(
                 f"shard_module: parameter {name!r} is already a DTensor (placements {tuple(param.placements)}, "
-                f"mesh {tuple(param.device_mesh.shape)}); sharding tensor-parallel parameters is not supported yet. "
-                "Fix: call shard_module before parallelize_module, use fully_shard for 2-d (TP + FSDP) layouts, "
-                "or turn a 1-d Shard(0) DTensor into a ShardedParam with ShardedParam.from_dtensor."
-            )
+                f"mesh {tuple(param.device_mesh.shape)}); " + (
+                    f"fully_shard (FSDP2) already shards {fsdp[0]!r}, and shard_module does the same job. Fix: drop "
+                    "fully_shard and call shard_module once on the root (its blocks become gather units, as with "
+                    "fully_shard per block)." if fsdp else "sharding tensor-parallel parameters is not supported "
+                    "yet. Fix: call shard_module before parallelize_module, use fully_shard for 2-d (TP + FSDP) "
+                    "layouts, or turn a 1-d Shard(0) DTensor into a ShardedParam with ShardedParam.from_dtensor."))
 
 
 def _sharding_state(module: nn.Module) -> ShardingState:

@@ -174,6 +174,27 @@ def dtensor_param_case() -> str:
 def test_dtensor_parameter_is_refused_clearly():
     message = run_on_ranks(2, dtensor_param_case)[0]
     assert "'weight' is already a DTensor" in message and "sharded=False" in message, message
+    assert "parallelize_module" in message, message  # a DTensor the user made: the tensor-parallel fix
+
+
+def fully_shard_blocks_case() -> str:
+    """FSDP2's habit: ``fully_shard`` on each block, then ``shard_module`` on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for block in model:
+        fully_shard(block)
+    try:
+        shardtensor.shard_module(model)
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_fully_shard_per_block_then_shard_module_names_that_habit():
+    # The message spoke of tensor parallelism (parallelize_module, 2-d layouts) to a user who only ran fully_shard.
+    for message in run_on_ranks(2, fully_shard_blocks_case):
+        assert "fully_shard (FSDP2) already shards '0'" in message and "drop fully_shard" in message, message
 
 
 # ------------------------------------------------------------------------------ damaged checkpoints: all or nothing

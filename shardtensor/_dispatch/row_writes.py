@@ -68,9 +68,11 @@ def _own_value_rows(value, target: ShardedParam, dims: int):
 
 
 def _index_put_rows(target: ShardedParam, indices: list, values, accumulate: bool) -> bool:
+    if not indices or not isinstance(values, torch.Tensor) or isinstance(values, ShardedParam) or \
+            any(isinstance(i, ShardedParam) for i in indices):  # (a sharded mask: Rprop's, every step) cheap first
+        return False
     local = _rows_of(target)
-    if local is None or not indices or not isinstance(values, torch.Tensor) or \
-            isinstance(values, ShardedParam) or any(isinstance(i, ShardedParam) for i in indices):
+    if local is None:
         return False
     flat: list[Optional[torch.Tensor]] = []
     for index in indices:  # a boolean mask stands for one integer index per dim it covers

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from shardtensor._agreement import any_rank
+from shardtensor._full_optim_state import agree_on_full_state, full_states, own_rows
 from shardtensor._torch_state_dict import full_optimizer_state_for_torch_helpers  # noqa: F401  (CPUAdam.state_dict)
 
 from ._slots import is_sharded
@@ -52,12 +52,16 @@ def local_rows(optimizer_name: str, states: list) -> list:
                            "run's file. Nothing was loaded on any rank. Fix: load each rank's own file on that rank "
                            "at the same world size, or shardtensor.save_checkpoint / load_checkpoint (any world "
                            "size).")
-    if shards_given and any_rank(refusal is not None, group, f"{optimizer_name}.load_state_dict: the verdicts"):
-        if refusal is None:
-            refusal = (f"{optimizer_name}.load_state_dict: another rank's state is not its own rows (its error "
-                       "names it). Nothing was loaded on any rank: a load on some ranks only would leave the ranks' "
-                       "moments from different runs. Fix: load each rank's own file on that rank, or "
-                       "shardtensor.save_checkpoint / load_checkpoint.")
-    if refusal is not None:
-        raise RuntimeError(refusal)
-    return [(param, {k: v.to_local() if is_sharded(v) else v for k, v in state.items()}) for param, state in states]
+    full = full_states(states, kept_local_alike=True)  # an unsharded run's moments: each rank keeps its rows
+    if full and group is None:
+        group, shards_given = full[0].param.shard_layout.group, True
+    if shards_given:
+        try:
+            agree_on_full_state(f"{optimizer_name}.load_state_dict", full, group, others_refuse=refusal is not None)
+        except RuntimeError:
+            if refusal is None:
+                raise
+            raise RuntimeError(refusal) from None
+    rows = {(id(s.param), s.key): own_rows(s.param, s.value) for s in full}
+    return [(param, {k: rows.get((id(param), k), v.to_local() if is_sharded(v) else v) for k, v in state.items()})
+            for param, state in states]

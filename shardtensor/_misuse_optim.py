@@ -3,8 +3,9 @@ shardtensor is imported; they cost a count comparison and a set lookup per step)
 
 - an optimizer built before ``shard_module`` holds the replaced tensors: its ``step()`` would update tensors the
   model no longer uses (refused at its first step, before anything is updated);
-- an optimizer state dict loaded from another rank's file (or another world size's, or an unsharded run's): the
-  step would mix other rows into this rank's (refused at the first step after the load, naming the state);
+- an optimizer state dict loaded from another rank's file (or another world size's): the step would mix other
+  rows into this rank's (refused at the first step after the load, naming the state); an unsharded run's state,
+  the same on every rank, is cut to each rank's rows there instead (``_full_optim_state``);
 - ``opt.step()`` while gradients are deferred by ``gradient_sync(model, False)``: it would apply zero gradients
   and leak the deferred ones into the next step (refused at the step);
 - a step taken on some ranks only: counted per group, named at the next gather (see [Note: optimizer steps in
@@ -21,7 +22,7 @@ from typing import Iterable
 import torch
 
 from . import _comm
-from ._agreement import any_rank
+from ._full_optim_state import FullState, agree_on_full_state, is_full_state, own_rows
 from ._misuse import _DEFERRING, _deferred_name
 from ._torch_state_dict import full_optimizer_state_for_torch_helpers
 
@@ -127,23 +128,23 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
     parameters (the step would mix them, or fail on one rank only with an unrelated message).  Checked at the
     first step after ``load_state_dict`` (which replaces ``optimizer.state``): one id comparison per step else.
     The verdict is agreed over the parameters' group (one flag all-reduce, only where the state was loaded):
-    rank 0's file is rank 0's own rows, so rank 0 alone would step, and the ranks' rows would be steps apart."""
+    rank 0's file is rank 0's own rows, so rank 0 alone would step, and the ranks' rows would be steps apart.
+    The same exchange tells whether every rank holds an unsharded run's full state, kept then as each rank's rows
+    (FSDP2's resume from a full checkpoint)."""
     if _STATE_SEEN.get(optimizer) == id(optimizer.state):
         return
     if optimizer not in _STATE_SEEN:  # the id alone is not enough: the replaced state's id is often reused
         optimizer.register_load_state_dict_post_hook(_forget_checked_state)
         optimizer.register_state_dict_post_hook(full_optimizer_state_for_torch_helpers)
-    refusal, loaded, group = _state_of_another_rank(optimizer)
-    if loaded and any_rank(refusal is not None, group, f"{type(optimizer).__name__}.step(): loaded state's verdicts"):
-        if refusal is None:
-            refusal = (f"{type(optimizer).__name__}.step(): another rank's optimizer state is not its own rows (its "
-                       "error names the state and the file's rank). Nothing was updated on any rank: this rank's "
-                       "state loads, but a step here alone would leave the ranks' rows steps apart. Fix: load each "
-                       "rank's own file on that rank, or shardtensor.save_checkpoint(dir, model, opt) / "
-                       "load_checkpoint (any world size).")
-    if refusal is not None:
-        raise RuntimeError(refusal)
-    if loaded:
+    refusal, loaded, group, full = _state_of_another_rank(optimizer)
+    if loaded:  # one exchange of flags: every rank refuses, or every rank's state is its rows, or every rank's full
+        try:
+            agree_on_full_state(f"{type(optimizer).__name__}.step()", full, group, others_refuse=refusal is not None)
+        except RuntimeError:
+            if refusal is None:
+                raise
+            raise RuntimeError(refusal) from None
+        _keep_own_rows_of_full_state(optimizer, full)
         _rebind_to_parameter_groups(optimizer)
     _STATE_SEEN[optimizer] = id(optimizer.state)
 
@@ -165,11 +166,11 @@ def _rebind_to_parameter_groups(optimizer: torch.optim.Optimizer) -> None:
 
 def _state_of_another_rank(optimizer: torch.optim.Optimizer) -> tuple:
     """(why this rank's state is not its own rows, or None; whether any sharded parameter has state; their
-    group)."""
-    from ._layout import ShardLayout
+    group; the full (unsharded) state tensors, each rank's rows to be kept)."""
     from .tensor import ShardedParam
 
-    loaded, group = False, None
+    loaded, group, full = False, None, []
+    kept_local_alike = getattr(optimizer, "holds_local_shard_state", False)  # (CPUAdam's state is plain rows)
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             if not isinstance(p, ShardedParam) or p not in optimizer.state:
@@ -178,26 +179,31 @@ def _state_of_another_rank(optimizer: torch.optim.Optimizer) -> tuple:
                 loaded, group = True, getattr(p._layout, "group", None)
             here = (p._layout.rank, p._layout.world)
             for key, value in optimizer.state[p].items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                if is_full_state(p, value, kept_local_alike):
+                    full.append(FullState(p._name, p, key, value))
+                if not isinstance(value, ShardedParam) or value.dim() == 0:
                     continue
-                if isinstance(value, ShardedParam):
-                    saved = (getattr(value._layout, "rank", None), getattr(value._layout, "world", None))
-                    if saved == here and value._layout.shape == p._layout.shape:
-                        continue
-                    what = f"rank {saved[0]}'s rows of a {saved[1]}-rank run"
-                elif (type(p._layout) is ShardLayout and here[1] > 1 and value.shape == p.shape
-                      and (value.shape != p._layout.local_shape()  # one row: a shard and the whole look alike
-                           or not getattr(optimizer, "holds_local_shard_state", False))):  # (CPUAdam's do)
-                    what = f"a full {type(value).__name__} of shape {tuple(value.shape)} (an unsharded run's)"
-                else:  # an optimizer's own per-rank layout (CPUAdam's host shards, Muon's owned tensors)
+                saved = (getattr(value._layout, "rank", None), getattr(value._layout, "world", None))
+                if saved == here and value._layout.shape == p._layout.shape:
                     continue
-                return (f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of {p._name!r} is {what}, "
-                        f"but this is rank {here[0]} of {here[1]}: a state dict loaded from another rank's or "
-                        "another run's file. Nothing was updated on any rank. Fix: torch.save(opt.state_dict()) and "
-                        "load it back on each rank with its own file at the same world size, or "
-                        "shardtensor.save_checkpoint(dir, model, opt) / load_checkpoint (any world size).",
-                        loaded, group)
-    return None, loaded, group
+                return (f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of {p._name!r} is rank "
+                        f"{saved[0]}'s rows of a {saved[1]}-rank run, but this is rank {here[0]} of {here[1]}: a "
+                        "state dict loaded from another rank's or another run's file. Nothing was updated on any "
+                        "rank. Fix: torch.save(opt.state_dict()) and load it back on each rank with its own file at "
+                        "the same world size, or shardtensor.save_checkpoint(dir, model, opt) / load_checkpoint "
+                        "(any world size).", loaded, group, full)
+    return None, loaded, group, full
+
+
+def _keep_own_rows_of_full_state(optimizer: torch.optim.Optimizer, full: list) -> None:
+    """Every rank holds the same full state (agreed): each keeps its rows, as its own run's state would be."""
+    from .tensor import ShardedParam
+
+    for item in full:
+        rows = own_rows(item.param, item.value)
+        optimizer.state[item.param][item.key] = (
+            rows if getattr(optimizer, "holds_local_shard_state", False)
+            else ShardedParam.from_local(rows, item.param._layout, name=item.param._name))
 
 
 def _forget_checked_state(optimizer: torch.optim.Optimizer) -> None:

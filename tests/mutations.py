@@ -28,6 +28,22 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "full_optimizer_state_kept_whole": Mutation(
+        "shardtensor/_misuse_optim.py", "_keep_own_rows_of_full_state",
+        "    for item in full:", "    for item in full[:0]:",
+        ("tests/test_full_optim_state.py::test_an_unsharded_runs_optimizer_state_resumes_like_the_unsharded_run",)),
+    "full_optimizer_state_digests_not_compared": Mutation(
+        "shardtensor/_full_optim_state.py", "agree_on_full_state",
+        "    names = differing(", "    names = [] and differing(",
+        ("tests/test_full_optim_state.py::test_full_state_that_differs_between_ranks_or_beside_rows_is_refused_on_every_rank",)),
+    "full_optimizer_state_beside_rows_taken": Mutation(
+        "shardtensor/_full_optim_state.py", "agree_on_full_state",
+        "    if some_rows:", "    if False:",
+        ("tests/test_full_optim_state.py::test_full_state_that_differs_between_ranks_or_beside_rows_is_refused_on_every_rank",)),
+    "cpu_adam_full_state_not_cut": Mutation(
+        "optim/_state_shards.py", "local_rows",
+        "    rows = {(id(s.param), s.key): own_rows(s.param, s.value) for s in full}", "    rows = {}",
+        ("tests/test_full_optim_state.py::test_an_unsharded_runs_optimizer_state_resumes_like_the_unsharded_run",)),
     "nvme_unit_in_use_raises": Mutation(
         "offload/nvme.py", "make_room",
         "                        return True\n                    return False",
@@ -92,7 +108,8 @@ MUTATIONS = {
         ("tests/test_units.py::test_a_failed_backward_leaves_no_replicated_gradient_behind",)),
     "unpickled_state_keeps_lost_group": Mutation(
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
-        "    if loaded:\n        _rebind_to_parameter_groups(optimizer)", "    if False:\n        pass",
+        "        _keep_own_rows_of_full_state(optimizer, full)\n        _rebind_to_parameter_groups(optimizer)",
+        "        _keep_own_rows_of_full_state(optimizer, full)",
         ("tests/test_misuse.py::test_a_per_rank_optimizer_file_of_a_model_on_a_subgroup_resumes_exactly",)),
     "muon_foreign_state_loaded": Mutation(
         "optim/muon.py", "load_state_dict",
@@ -166,8 +183,8 @@ MUTATIONS = {
         ("tests/test_composability.py::test_inits_after_sharding_equal_the_unsharded_init",)),
     "loaded_state_verdict_not_agreed": Mutation(
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
-        "    if loaded and any_rank(refusal is not None, group, f\"{type(optimizer).__name__}.step(): loaded state's "
-        "verdicts\"):", "    if False:",
+        "            agree_on_full_state(f\"{type(optimizer).__name__}.step()\", full, group, others_refuse=refusal is "
+        "not None)", "            pass",
         ("tests/test_misuse.py::test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_step",)),
     "torch_refused_load_copies_the_rest": Mutation(
         "shardtensor/_agreement.py", "torch_load_errors",
@@ -175,9 +192,8 @@ MUTATIONS = {
         "            elif False:",
         ("tests/test_misuse.py::test_a_load_torch_refuses_raises_on_every_rank_before_anything_is_copied",)),
     "one_row_plain_state_of_stock_optimizer_taken": Mutation(
-        "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
-        '                           or not getattr(optimizer, "holds_local_shard_state", False))):',
-        "                           or False)):",
+        "shardtensor/_full_optim_state.py", "is_full_state",
+        "param._layout.local_shape() or not kept_local_alike)", "param._layout.local_shape() or False)",
         ("tests/test_misuse.py::test_optimizer_state_of_another_rank_or_an_unsharded_run_is_refused_at_the_step",)),
     "plain_grad_met_mid_step": Mutation(
         "shardtensor/_misuse_optim.py", "_check_models_before_step",
@@ -217,8 +233,8 @@ MUTATIONS = {
         ("tests/test_cpu_adam.py::test_a_write_through_a_sharded_tensor_bumps_its_local_version",
          "tests/test_cpu_adam.py::test_speculative_steps_see_a_clip_grad_norm_done_by_hand")),
     "one_row_shard_taken_for_full_state": Mutation(
-        "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
-        "                      and (value.shape != p._layout.local_shape()", "                      and (True",
+        "shardtensor/_full_optim_state.py", "is_full_state",
+        "(value.shape != param._layout.local_shape() or", "(True or",
         ("tests/test_cpu_adam.py::test_speculative_steps_see_a_clip_grad_norm_done_by_hand",)),
     "unreduced_grad_not_explained": Mutation(
         "shardtensor/_dispatch/refusals.py", "_refuse",

@@ -1,0 +1,85 @@
+"""An unsharded run's optimizer state loaded into a sharded model's optimizer: each rank keeps its own rows.
+
+FSDP2's way to resume from an unsharded checkpoint, or from ``get_optimizer_state_dict(model, opt,
+options=StateDictOptions(full_state_dict=True))``, loads the same full state on every rank (``opt.load_state_dict``
+or torch's ``set_optimizer_state_dict``).  Each moment then has its parameter's full shape, and a step would mix
+whole tensors into shards.  So every rank keeps its rows of each, as the sharded run's own state would hold them,
+once the ranks have agreed on two things in one exchange of flags and one of digests: every rank holds full state
+(a mix of full and per-rank states is two different saves), and the same full tensors (an unsharded state that
+differs between ranks, each rank's own run's, would give each rank its rows of another run: a patchwork).
+Otherwise every rank refuses, naming the state, before anything changes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _comm
+from ._agreement import differing
+
+
+class FullState(NamedTuple):
+    """One full (unsharded) state tensor of a sharded parameter: ``param``'s ``key``."""
+
+    name: str
+    param: torch.Tensor
+    key: str
+    value: torch.Tensor
+
+
+def is_full_state(param: torch.Tensor, value, kept_local_alike: bool) -> bool:
+    """Whether ``value`` is the full tensor of the sharded ``param``'s shape rather than its rows.  Where a shard
+    has the full shape (one row, or one rank), a stock optimizer's own state is a sharded tensor, so a plain one is
+    full; an optimizer whose own state is plain rows (``kept_local_alike``: CPUAdam's) cannot tell, and keeps it."""
+    from ._layout import ShardLayout
+    from .tensor import ShardedParam
+
+    if not isinstance(param, ShardedParam) or type(param._layout) is not ShardLayout or param._layout.world == 1:
+        return False
+    if isinstance(value, ShardedParam) or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    return value.shape == param.shape and (value.shape != param._layout.local_shape() or not kept_local_alike)
+
+
+def full_states(states: list, kept_local_alike: bool) -> list[FullState]:
+    """The full state tensors among ``states`` (``(param, state dict)`` pairs), in their order."""
+    return [FullState(param._name, param, key, value) for param, state in states for key, value in state.items()
+            if is_full_state(param, value, kept_local_alike)]
+
+
+def agree_on_full_state(owner: str, full: list[FullState], group, others_refuse: bool = False) -> None:
+    """Raise on every rank unless every rank holds full state (``full``, in the same order) with the same values,
+    or none does.  ``others_refuse``: this rank refuses its state for another reason, which rides in the flags,
+    so every rank raises (the caller raises its own reason where it has one)."""
+    if not _comm.is_distributed() or _comm.world_size(group) == 1:
+        return
+    flags = torch.tensor([float(others_refuse), float(bool(full)), float(not full)])
+    _comm.all_reduce(flags, group, op="max", label=f"{owner}: whether the loaded optimizer state is full")
+    refused, some_full, some_rows = (bool(f) for f in flags.tolist())
+    if refused:
+        raise RuntimeError(f"{owner}: another rank's optimizer state is not its own rows (its error names the state "
+                           "and the file's rank), so no rank goes on: the ranks' rows would be steps apart. Nothing "
+                           "was updated on any rank. Fix: load each rank's own file "
+                           "on that rank, the same full state dict on every rank, or "
+                           "shardtensor.save_checkpoint(dir, model, opt) / load_checkpoint (any world size).")
+    if not some_full:
+        return
+    if some_rows:
+        raise RuntimeError(f"{owner}: some ranks loaded a full (unsharded) optimizer state dict and others their "
+                           "own rows of a sharded run. Nothing was updated on any rank. Fix: load the same kind of "
+                           "state dict on every rank (the same full one everywhere, or each rank's own file).")
+    names = differing([(f"{s.key!r} of {s.name!r}", s.param, s.value) for s in full], owner)
+    if names:
+        raise RuntimeError(f"{owner}: the full (unsharded) optimizer state {names[0]}"
+                           f"{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} differs between ranks, so "
+                           "each rank would keep its rows of another run's state (a patchwork). Nothing was updated "
+                           "on any rank. Fix: load the same full state dict on every rank (one file, or "
+                           "set_optimizer_state_dict with StateDictOptions(full_state_dict=True, "
+                           "broadcast_from_rank0=True)).")
+
+
+def own_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's padded rows of ``full`` (``param``'s shape), a fresh plain tensor: the full one can be freed."""
+    return param._layout.shard_of(full.detach())

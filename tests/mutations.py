@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "view_rules_inside_inference_mode": Mutation(
+        "shardtensor/_dispatch/__init__.py", "dispatch_op",
+        "_outside_inference_mode(rule) if func.is_view else rule", "rule",
+        ("tests/test_inference_mode.py::test_views_of_sharded_parameters_under_inference_mode_equal_the_full_tensors_views",
+         "tests/test_inference_mode.py::test_an_encoder_decoder_transformer_evaluates_under_inference_mode_like_the_unsharded_one")),
     "full_optimizer_state_kept_whole": Mutation(
         "shardtensor/_misuse_optim.py", "_keep_own_rows_of_full_state",
         "    for item in full:", "    for item in full[:0]:",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from ..tensor import ShardedParam
 from . import reductions, row_writes, sequential, traced, views  # noqa: F401  (importing a rule module registers its rules)
 from ._common import FAMILIES, TABLE, OpFamily, Rule, ShardedOpError, implements
@@ -31,8 +33,24 @@ def dispatch_op(func, args: tuple, kwargs: dict):
     """Run ``func`` by its rule (looked up once per op; keyed by id: ``OpOverload.__hash__`` is a Python method)."""
     rule = _RULE_BY_ID.get(id(func))
     if rule is None:
-        rule = _RULE_BY_ID[id(func)] = _checked(rule_for(func))
+        rule = _checked(rule_for(func))
+        rule = _RULE_BY_ID[id(func)] = _outside_inference_mode(rule) if func.is_view else rule
     return rule(func, args, kwargs)
+
+
+def _outside_inference_mode(rule: Rule) -> Rule:
+    """A view op's rule, run outside ``torch.inference_mode()`` when its input is a normal tensor.  Why: torch makes
+    a view of a normal tensor a normal tensor even in inference mode (autograd's ADInplaceOrView kernel then gives
+    it its base's version counter), but whatever a rule creates in inference mode (our view's wrapper, a narrowed
+    copy of a gathered weight) is an inference tensor, which refuses that: "Cannot set version_counter for
+    inference tensor" (``nn.Transformer``'s cross-attention splits its packed weight, under ``inference_mode``)."""
+    def run(func, args, kwargs, rule: Callable = rule):
+        if torch.is_inference_mode_enabled() and not args[0].is_inference():
+            with torch.inference_mode(False), torch.no_grad():
+                return rule(func, args, kwargs)
+        return rule(func, args, kwargs)
+
+    return run
 
 
 def rule_for(func) -> Rule:

@@ -1,0 +1,66 @@
+"""``torch.inference_mode()`` with sharded parameters: views of a parameter (``F.multi_head_attention_forward``
+splits ``nn.Transformer``'s packed weight for cross-attention) are normal tensors there, as torch makes views of a
+normal tensor, and equal the same views of the full tensor; a model evaluates as the unsharded one does."""
+
+from __future__ import annotations
+
+import pytest
+
+import torch
+from torch import nn
+
+import shardtensor
+from rank_pool import run_on_ranks
+
+VIEWS = {
+    "narrow": lambda w: w.narrow(0, 1, 3), "t": lambda w: w.t(), "slice": lambda w: w[1:4],
+    "select": lambda w: w[2], "split": lambda w: w.split(2)[1], "split_with_sizes": lambda w: w.split([1, 5])[1],
+    "chunk": lambda w: w.chunk(3)[2], "unbind": lambda w: w.unbind(0)[3], "view": lambda w: w.view(-1),
+    "detach": lambda w: w.detach(), "expand": lambda w: w.expand(2, 6, 4)[1], "diagonal": lambda w: w.diagonal(),
+    "transpose_then_slice": lambda w: w.transpose(0, 1)[1:], "as_strided": lambda w: w.as_strided((2, 2), (4, 1)),
+    "unfold": lambda w: w.unfold(0, 2, 2), "view_then_narrow": lambda w: w.view(3, 8).narrow(1, 2, 4),
+}
+
+
+def views_case(mode: str) -> dict:
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), gather=mode)
+    full = shardtensor.full_state_dict(model)["0.weight"]
+    out = {}
+    for name, view in VIEWS.items():
+        try:
+            with torch.inference_mode():
+                got = view(model[0].weight) * 1  # read through the view
+            out[name] = torch.equal(got, view(full) * 1)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_views_of_sharded_parameters_under_inference_mode_equal_the_full_tensors_views(mode):
+    """Every one raised "Cannot set version_counter for inference tensor"."""
+    for out in run_on_ranks(2, views_case, mode):
+        assert all(v is True for v in out.values()), out
+
+
+def transformer_case(mode: str) -> float:
+    torch.manual_seed(0)
+    build = lambda: nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True)  # noqa: E731
+    plain, model = build(), build()
+    model.load_state_dict(plain.state_dict())
+    shardtensor.shard_module(model, gather=mode)
+    src, tgt = torch.randn(2, 5, 8), torch.randn(2, 3, 8)
+    plain.eval()
+    model.eval()
+    with torch.inference_mode():
+        got, want = model(src, tgt), plain(src, tgt)
+    model.train()  # and it trains on afterwards
+    model(src, tgt).square().mean().backward()
+    return (got - want).abs().max().item()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_an_encoder_decoder_transformer_evaluates_under_inference_mode_like_the_unsharded_one(mode):
+    for diff in run_on_ranks(2, transformer_case, mode):
+        assert diff < 1e-6, diff

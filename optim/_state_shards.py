@@ -57,7 +57,8 @@ def local_rows(optimizer_name: str, states: list) -> list:
         group, shards_given = full[0].param.shard_layout.group, True
     if shards_given:
         try:
-            agree_on_full_state(f"{optimizer_name}.load_state_dict", full, group, others_refuse=refusal is not None)
+            agree_on_full_state(f"{optimizer_name}.load_state_dict", full, group, others_refuse=refusal is not None,
+                                at_load=True)
         except RuntimeError:
             if refusal is None:
                 raise

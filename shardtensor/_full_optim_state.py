@@ -49,33 +49,37 @@ def full_states(states: list, kept_local_alike: bool) -> list[FullState]:
             if is_full_state(param, value, kept_local_alike)]
 
 
-def agree_on_full_state(owner: str, full: list[FullState], group, others_refuse: bool = False) -> None:
+def agree_on_full_state(owner: str, full: list[FullState], group, others_refuse: bool = False,
+                        at_load: bool = False) -> None:
     """Raise on every rank unless every rank holds full state (``full``, in the same order) with the same values,
     or none does.  ``others_refuse``: this rank refuses its state for another reason, which rides in the flags,
-    so every rank raises (the caller raises its own reason where it has one)."""
+    so every rank raises (the caller raises its own reason where it has one).  ``at_load``: the messages say
+    nothing was loaded (CPUAdam checks at ``load_state_dict``), else that nothing was updated (at the step)."""
     if not _comm.is_distributed() or _comm.world_size(group) == 1:
         return
     flags = torch.tensor([float(others_refuse), float(bool(full)), float(not full)])
     _comm.all_reduce(flags, group, op="max", label=f"{owner}: whether the loaded optimizer state is full")
     refused, some_full, some_rows = (bool(f) for f in flags.tolist())
+    nothing, noun = ("Nothing was loaded on any rank.", "state") if at_load else (
+        "Nothing was updated on any rank.", "optimizer state")
     if refused:
-        raise RuntimeError(f"{owner}: another rank's optimizer state is not its own rows (its error names the state "
-                           "and the file's rank), so no rank goes on: the ranks' rows would be steps apart. Nothing "
-                           "was updated on any rank. Fix: load each rank's own file "
+        raise RuntimeError(f"{owner}: another rank's {noun} is not its own rows (its error names the state and the "
+                           f"file's rank), so no rank goes on: the ranks' rows would be steps apart. {nothing} Fix: "
+                           "load each rank's own file "
                            "on that rank, the same full state dict on every rank, or "
                            "shardtensor.save_checkpoint(dir, model, opt) / load_checkpoint (any world size).")
     if not some_full:
         return
     if some_rows:
         raise RuntimeError(f"{owner}: some ranks loaded a full (unsharded) optimizer state dict and others their "
-                           "own rows of a sharded run. Nothing was updated on any rank. Fix: load the same kind of "
+                           f"own rows of a sharded run. {nothing} Fix: load the same kind of "
                            "state dict on every rank (the same full one everywhere, or each rank's own file).")
     names = differing([(f"{s.key!r} of {s.name!r}", s.param, s.value) for s in full], owner)
     if names:
         raise RuntimeError(f"{owner}: the full (unsharded) optimizer state {names[0]}"
                            f"{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} differs between ranks, so "
-                           "each rank would keep its rows of another run's state (a patchwork). Nothing was updated "
-                           "on any rank. Fix: load the same full state dict on every rank (one file, or "
+                           f"each rank would keep its rows of another run's state (a patchwork). {nothing} Fix: load "
+                           "the same full state dict on every rank (one file, or "
                            "set_optimizer_state_dict with StateDictOptions(full_state_dict=True, "
                            "broadcast_from_rank0=True)).")
 

@@ -50,17 +50,57 @@ def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = N
                             label: str = "") -> tuple[list[torch.Tensor], object]:
     """Sum several contiguous ``(world * rows, ...)`` buffers (one dtype) over ranks: this rank's rows of each,
     as views, hold the sums once the returned work is waited for (``async_op=False``: already).  gloo CPU only,
-    inside ``inputs_may_be_overwritten()`` (the other rows are left as scratch).  One identity check, then one
-    in-place reduce per (buffer, rank): no output buffer, no copy."""
-    world, kind = _comm.world_size(group), "reduce-scatter in place (reduces)"
+    inside ``inputs_may_be_overwritten()``.  One identity check, then, for each buffer, this rank's rows of
+    every other rank sent to it and theirs of this rank's received into scratch, added at the wait
+    (*[Note: a reduce-scatter by sends]*)."""
+    world, kind = _comm.world_size(group), "reduce-scatter in place (sends)"
     if world == 1:
         return list(buffers), _DoneWork()
     if not _comm.inputs_overwritable():
         raise AssertionError("reduce_scatter_in_place overwrites its inputs: call it in inputs_may_be_overwritten()")
     total = buffers[0].new_empty(1).expand(sum(b.numel() for b in buffers))
     seq = _comm._check(kind, total, group, label)
-    works = [dist.reduce(rows, dst=_comm.global_rank_of(group, r), op=dist.ReduceOp.SUM, group=group, async_op=True)
-             for r, rows in _rank_blocks(buffers, world)]
-    work = _comm._issued(_WorkList(works), kind, total, group, async_op, label, seq)
-    me = _comm.rank(group)
+    me, tag = _comm.rank(group), seq % _P2P_TAGS
+    works, sums = [], []
+    for buffer in buffers:
+        rows = buffer.shape[0] // world
+        own = buffer[me * rows:(me + 1) * rows]
+        for k in range(1, world):  # peer k ahead gets its rows, peer k behind sends this rank's: no two wait on one
+            to, frm = (me + k) % world, (me - k) % world
+            scratch = torch.empty_like(own)
+            works.append(dist.isend(_rows_alias(buffer, to * rows, rows), dst=_comm.global_rank_of(group, to),
+                                    group=group, tag=tag))
+            works.append(dist.irecv(scratch, src=_comm.global_rank_of(group, frm), group=group, tag=tag))
+            sums.append((own, scratch))
+    work = _comm._issued(_AddOnWait(_WorkList(works), sums), kind, total, group, async_op, label, seq)
     return [b[me * (b.shape[0] // world):(me + 1) * (b.shape[0] // world)] for b in buffers], work
+
+
+# [Note: a reduce-scatter by sends]
+# gloo's ``reduce`` moves and sums more than a reduce-scatter needs (measured on 2 cores, 8.7M floats in 5
+# buffers, world 2 / 4: 15.9 / 28.8 CPU ms on rank 0, 32 / 87 ms wall, against 11.9 / 16.9 CPU ms and 23 / 44 ms
+# for the sends here, where each rank sends each peer that peer's rows once and adds what it receives).  The
+# price is a scratch of (world - 1) times this rank's rows per buffer, alive until the wait: the sum of a
+# rank's rows cannot be received into the rows being sent.  Each call's sends carry their own tag (the identity
+# check's sequence number, the same on every rank), so two reductions in flight never match each other's sends;
+# collectives use tags of their own (a slot prefix), so the two never meet either.
+_P2P_TAGS = 1 << 30
+
+
+class _AddOnWait:
+    """A work whose received rows are added into this rank's rows once, at the first wait."""
+
+    __slots__ = ("work", "sums")
+
+    def __init__(self, work, sums: list):
+        self.work, self.sums = work, sums
+
+    def wait(self, timeout=None) -> bool:
+        self.work.wait(timeout=timeout)
+        for own, received in self.sums:
+            own.add_(received)
+        self.sums = []
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()

@@ -6,8 +6,10 @@ library exists to avoid.  Every rule that meets a write it cannot do shard-wise 
 
 from __future__ import annotations
 
-import torch
+import sys
 from typing import NoReturn
+
+import torch
 
 from ..tensor import ShardedParam
 from ._common import OpFamily, ShardedOpError, _leaves, _params_in, _written_params, aten, implements
@@ -19,9 +21,28 @@ def _describe(func, args, kwargs) -> str:
     return f"{func} with tensor arguments {kinds}"
 
 
+def _inside_register_parametrization() -> bool:
+    """Whether torch's ``register_parametrization`` is on the stack: ``orthogonal(model.fc)`` after shard_module
+    runs its ``right_inverse`` on the sharded weight, whose writes (into ``zeros_like(weight).diagonal()``) land
+    here, and the cause is the parametrization, not the op.  Read only when refusing."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "register_parametrization" and code.co_filename.endswith("parametrize.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _refuse(func, args, kwargs, why: str) -> NoReturn:
     written = _written_params(func, args, kwargs)
     names = ", ".join(repr(p._name or tuple(p.shape)) for p in written)
+    if _inside_register_parametrization():
+        raise ShardedOpError(
+            f"a parametrization registered after shard_module (torch.nn.utils.parametrize.register_parametrization, "
+            f"parametrizations.orthogonal / weight_norm / spectral_norm) runs on the sharded parameter {names}: "
+            f"{func} would write into it but {why}. The tensors a parametrization puts in its place would not be "
+            "sharded, nor their gradients averaged. Fix: apply parametrizations before shard_module.")
     unreduced = [p for p in written if p.is_leaf and type(p.grad) is torch.Tensor]  # (a view's .grad warns)
     raise ShardedOpError(
         f"{func} would write into ShardedParam {names} but {why}. Running it on a gathered temporary would drop "

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "parametrization_after_sharding_unnamed": Mutation(
+        "shardtensor/_dispatch/refusals.py", "_refuse",
+        "    if _inside_register_parametrization():", "    if False:",
+        ("tests/test_parametrizations.py::test_parametrizations_applied_after_shard_module_are_named_with_the_fix",)),
     "view_rules_inside_inference_mode": Mutation(
         "shardtensor/_dispatch/__init__.py", "dispatch_op",
         "_outside_inference_mode(rule) if func.is_view else rule", "rule",

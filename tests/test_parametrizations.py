@@ -63,7 +63,6 @@ def test_parametrizations_applied_before_shard_module_train_like_the_unsharded_m
 def after_case(kind: str) -> dict:
     torch.manual_seed(0)
     model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6)))
-    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
     try:
         _apply(kind, model[2])
         model(torch.randn(3, 4)).sum().backward()

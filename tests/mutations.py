@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "generate_divergence_without_synced_gpus_fix": Mutation(
+        "shardtensor/_comm_divergence.py", "_raise_divergence",
+        '        + (_GENERATE_FIX if _inside_generate() else "")', '        + ""',
+        ("tests/test_generate.py::test_generate_with_different_lengths_per_rank_names_synced_gpus",)),
     "parametrization_after_sharding_unnamed": Mutation(
         "shardtensor/_dispatch/refusals.py", "_refuse",
         "    if _inside_register_parametrization():", "    if False:",

@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "reduce_by_sends_drops_what_it_receives": Mutation(
+        "shardtensor/_comm_rows.py", "wait",
+        "            own.add_(received)", "            pass",
+        ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",)),
+    "reduce_by_sends_adds_before_the_wait": Mutation(
+        "shardtensor/_comm_rows.py", "wait",
+        "        self.work.wait(timeout=timeout)\n        for own, received in self.sums:\n            own.add_(received)",
+        "        for own, received in self.sums:\n            own.add_(received)\n        self.work.wait(timeout=timeout)",
+        ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",)),
     "generate_divergence_without_synced_gpus_fix": Mutation(
         "shardtensor/_comm_divergence.py", "_raise_divergence",
         '        + (_GENERATE_FIX if _inside_generate() else "")', '        + ""',

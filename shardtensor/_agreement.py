@@ -17,7 +17,9 @@ again.
 from __future__ import annotations
 
 import hashlib
+import sys
 import weakref
+from typing import Optional
 
 import torch
 from torch import nn
@@ -153,6 +155,8 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     items, refusal = [], None
     if root or not prefix:  # the module load_state_dict was called on (or the sharded root below a wrapper)
         errors = torch_load_errors(module, state_dict, prefix)
+        if root and not prefix and _strict_load_of(module):
+            errors += torch_key_errors(module, state_dict)
         if args and args[0].get("assign_to_params_buffers") and params:
             refusal = ValueError(
                 "load_state_dict(assign=True) would put the state dict's tensors in place of the sharded "
@@ -164,16 +168,81 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
                 f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors) +
                 "\nNothing was copied on any rank (torch copies the other tensors before it raises; a sharded "
                 "model's load is all or nothing).")
+        _refuse_on_every_rank(refusal, params)
     for name, param in params.items():
         value = state_dict.get(prefix + name)
         if is_plain(value) or hasattr(value, "_layout"):  # (a wrong shape is refused above, on every rank)
             items.append((param._name or name, param, value))  # the message names it as the model does
             refusal = refusal or _other_ranks_shard(prefix + name, value)
-    if refusal and not items:
-        raise refusal if isinstance(refusal, Exception) else ValueError(refusal)
     refuse_differing(items, "load_state_dict", refusal)
     for _, _, value in items:
         _AGREED[id(value)] = weakref.ref(value)
+
+
+def _refuse_on_every_rank(refusal: Optional[Exception], params: dict) -> None:
+    """Raise ``refusal`` here, and on every other rank of the parameters' group an error of the same type, before
+    anything is copied: one flag exchange (0: none; 1: a ``ValueError``; 2: a ``RuntimeError``, torch's load
+    errors, so an ``except RuntimeError`` around the load catches it on every rank).  A refusal decided on one
+    rank alone (only its dict has renamed keys) left the others waiting in the digest exchange."""
+    if not params:
+        if refusal is not None:
+            raise refusal
+        return
+    group, world = _group_and_world(next(iter(params.values())))
+    flag = 0 if refusal is None else 2 if isinstance(refusal, RuntimeError) else 1
+    if world > 1:
+        verdict = torch.tensor([float(flag)])
+        _comm.all_reduce(verdict, group, op="max", label="load_state_dict: whether any rank refuses the load")
+        flag = int(verdict.item())
+    if refusal is not None:
+        raise refusal
+    if flag:
+        raise (RuntimeError if flag == 2 else ValueError)(
+            "load_state_dict: another rank refused it (its error names the keys or tensors and the fix), so no "
+            "rank copies anything: a load is all ranks' or none's.")
+
+
+def _strict_load_of(module) -> bool:
+    """Whether ``module.load_state_dict(..., strict=True)`` is what runs this hook: torch hands every module's
+    load ``strict=True`` and applies the caller's ``strict`` only at the end, so it is read from the caller's
+    frame (False where that frame is not found: torch decides then, as before)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is nn.Module.load_state_dict.__code__ and frame.f_locals.get("self") is module:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return False
+
+
+def torch_key_errors(module, state_dict: dict) -> list[str]:
+    """The missing and unexpected keys ``strict=True`` reports, found before the first copy (torch copies every
+    other tensor first, then raises: a half-loaded model).  Only where every module below loads the plain way:
+    a load pre-hook or a ``_load_from_state_dict`` of a module's own may rename or consume keys, and torch
+    decides there.  A norm layer's missing ``num_batches_tracked`` is filled in by the layer, not reported."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    expected = set()
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if any(not _is_ours(h) for h in sub._load_state_dict_pre_hooks.values()) or \
+                type(sub)._load_from_state_dict not in (nn.Module._load_from_state_dict,
+                                                        _NormBase._load_from_state_dict):
+            return []
+        dot = f"{name}." if name else ""
+        tensors = {**sub._parameters, **{k: v for k, v in sub._buffers.items()
+                                         if k not in sub._non_persistent_buffers_set}}
+        if any(t is not None and nn.parameter.is_lazy(t) for t in tensors.values()):
+            return []
+        expected.update(dot + k for k, t in tensors.items() if t is not None)
+        if type(sub).get_extra_state is not nn.Module.get_extra_state:
+            expected.add(dot + "_extra_state")
+    missing = sorted(k for k in expected - set(state_dict) if not k.endswith("num_batches_tracked"))
+    unexpected = sorted(set(state_dict) - expected)
+    errors = []
+    if unexpected:
+        errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    if missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+    return errors
 
 
 def torch_load_errors(module, state_dict: dict, prefix: str) -> list[str]:

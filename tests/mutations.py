@@ -28,6 +28,18 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "strict_load_keys_left_to_torch": Mutation(
+        "shardtensor/_agreement.py", "agree_on_load",
+        "        if root and not prefix and _strict_load_of(module):", "        if False:",
+        ("tests/test_load_keys.py::test_a_strict_load_torch_would_refuse_changes_nothing_on_any_rank",)),
+    "load_refusal_raised_on_its_rank_alone": Mutation(
+        "shardtensor/_agreement.py", "_refuse_on_every_rank",
+        "    if world > 1:", "    if False:",
+        ("tests/test_load_keys.py::test_a_strict_load_torch_would_refuse_changes_nothing_on_any_rank",)),
+    "non_strict_load_taken_for_strict": Mutation(
+        "shardtensor/_agreement.py", "_strict_load_of",
+        '            return bool(frame.f_locals.get("strict", True))', "            return True",
+        ("tests/test_load_keys.py::test_a_non_strict_load_with_missing_keys_loads_the_rest_as_torch_does",)),
     "reduce_by_sends_drops_what_it_receives": Mutation(
         "shardtensor/_comm_rows.py", "wait",
         "            own.add_(received)", "            pass",

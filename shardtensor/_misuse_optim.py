@@ -282,9 +282,11 @@ def _check_models_before_step(optimizer: torch.optim.Optimizer) -> None:
         f"{type(optimizer).__name__}.step(): the gradient of {unaveraged._name!r} is this rank's own full gradient, "
         "never averaged across ranks: its gradient hook was not in place when backward ran (a parameter frozen at "
         "shard_module and unfrozen later, trained under torch.compile or through children only: its hook is "
-        "attached now; or a model converted after shard_module, e.g. model.float()). Nothing was updated. Fix: "
-        "opt.zero_grad() and run this step's forward and backward again (the gradient is averaged from now on), "
-        "or unfreeze and convert before shard_module.")
+        "attached now; or a model converted after shard_module, e.g. model.float()), or a full tensor was "
+        "assigned to .grad (p.grad = g with g from torch.autograd.grad: each rank's own, as under DDP). Nothing "
+        "was updated. Fix: opt.zero_grad() and run this step's forward and backward again (the gradient is averaged "
+        "from now on), or unfreeze and convert before shard_module; instead of assigning .grad, call backward (the "
+        "hooks average the gradient and keep this rank's rows).")
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -237,3 +237,29 @@ def test_autograd_grad_returns_this_ranks_gradient_and_leaves_grad_alone(gather,
         assert r["local_off"] < 1e-12, r
         assert r["grad_left"] == [], r
         assert r["penalty_off"] < 1e-12, r
+
+
+def _assigned_grad_case() -> dict:
+    """``p.grad = g`` with ``g`` from ``torch.autograd.grad`` (each rank's own full gradient), then a step."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(Net())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    return {"message": message, "unchanged": all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))}
+
+
+def test_a_full_gradient_assigned_to_grad_is_named_at_the_step():
+    """The refusal named only a frozen or converted parameter, not the assignment the user made."""
+    for r in run_on_ranks(2, _assigned_grad_case):
+        assert "assigned to .grad" in r["message"] and "call backward" in r["message"] and r["unchanged"], r

@@ -42,12 +42,32 @@ def _full(value: Any, cpu: bool) -> Any:
     return value
 
 
+def _inside_save_pretrained() -> bool:
+    """Whether transformers' ``save_pretrained`` asks for this state dict (it does only without ``state_dict=``)."""
+    frame = sys._getframe(2)
+    for _ in range(24):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "save_pretrained" and "transformers" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def full_model_state_for_torch_helpers(module, state_dict: dict, prefix: str, local_metadata) -> None:
-    """A sharded root's state-dict post-hook (see the module docstring)."""
+    """A sharded root's state-dict post-hook (see the module docstring).  Also names the fix where transformers'
+    ``save_pretrained`` reads the state dict itself: it failed inside safetensors ("data pointer on an invalid
+    python storage"), and it is often called on rank 0 alone, where no gather can run."""
     info = _full_state_options()
     if info is not None:
         for key in [k for k, v in state_dict.items() if isinstance(v, ShardedParam)]:
             state_dict[key] = _full(state_dict[key], bool(info.cpu_offload))
+    elif any(isinstance(v, ShardedParam) for v in state_dict.values()) and _inside_save_pretrained():
+        raise RuntimeError(
+            f"save_pretrained of a sharded {type(module).__name__}: its state_dict() holds each rank's rows, not "
+            "the full tensors, and gathering them needs every rank. No weights were written. Fix: on every rank "
+            "state = shardtensor.full_state_dict(model, rank0_only=True), then on rank 0 "
+            "model.save_pretrained(path, state_dict=state).")
 
 
 def full_optimizer_state_for_torch_helpers(optimizer, state_dict: dict) -> dict:

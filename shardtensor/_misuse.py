@@ -151,11 +151,6 @@ def note_deferred(grad_sync, key: str, owner) -> None:
     _DEFERRING.add(grad_sync)
 
 
-def queue_flush(grad_sync) -> None:
-    """A synced backward has started consuming deferred gradients: at its end, reduce those it did not reach."""
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: flush_deferred(grad_sync))
-
-
 @torch.no_grad()
 def flush_deferred(grad_sync) -> None:
     """Reduce every deferred gradient the synced backward did not reach (a parameter used only in a deferred

@@ -215,7 +215,12 @@ class GradSync:
         return pending.shard
 
     def finish_pending(self) -> None:
-        """Wait for every issued reduce-scatter (end of backward)."""
+        """End of backward: reduce the deferred gradients this synced backward did not reach, wait for every
+        issued reduce-scatter, average the replicated gradients.  One callback, in that order: two callbacks
+        queued by whichever hook fired first ran in an order the data chose (a rank whose first hook was a
+        replicated gain's averaged those first, its peer reduced a deferred weight first: a divergence)."""
+        if self._deferred and self.enabled and torch._C._current_graph_task_id() != -1:
+            _misuse.flush_deferred(self)
         pending, self._pending = self._pending, []
         for p in pending:
             p.finish()
@@ -382,8 +387,8 @@ class GradSync:
 
     def _with_deferred(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         kept = self._deferred.pop(key, None) if self._deferred else None
-        if self._deferred:  # parameters this backward does not reach are reduced at its end
-            _misuse.queue_flush(self)
+        if self._deferred:  # parameters this backward does not reach are reduced at its end (finish_pending)
+            self._queue_finish_once()
         return grad if kept is None else kept.add_(grad)
 
     def deferred_bytes(self) -> int:

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict  # noqa: F401  (_misuse_optim: step hooks)
 from ._layout import ShardLayout
@@ -16,7 +17,7 @@ from ._traced import record_param_dtype
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
 from .layerwise import OwnerReducer, owner_layouts
-from .policy import GatherPolicy, MixedPrecisionPolicy
+from .policy import GatherPolicy, MixedPrecisionPolicy, precision_policy
 from .tensor import ShardedParam
 from ._units import UnitPolicy, attach_units
 
@@ -113,7 +114,7 @@ def shard_module(
     _misuse.refuse_before_sharding(module)  # e.g. parameters that are views of other parameters
     _misuse.refuse_shared_reducer(reducer, module)
     policy = _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel)
-    precision = _precision_policy(mixed_precision, param_dtype, reduce_dtype)
+    precision = precision_policy(mixed_precision, param_dtype, reduce_dtype)
     param_dtype, persist_numel = precision.param_dtype, policy.persist_numel
     _misuse.refuse_persisted_with_param_dtype(module, persist_numel, param_dtype)
     gatherer = Gatherer(policy.mode, prefetch_bytes=policy.prefetch_bytes, min_free_bytes=policy.min_free_bytes,
@@ -156,7 +157,7 @@ def shard_module(
                 param._shardtensor_sharded_as = fqn  # so a second model sharing `param` is refused
             owners.append((submodule, name, new))
 
-    step_begin = _step_begin_hook(module, gatherer, param_dtype, owners, grad_sync)
+    step_begin = _step_begin_hook(module, gatherer, precision, owners, grad_sync)
     handles.append(module.register_forward_pre_hook(_misuse.PickleRefusingHook(step_begin), with_kwargs=True))
     handles.append(module.register_forward_hook(_misuse.PickleRefusingHook(step_begin.after_forward)))
     _hook_loads(module, names, handles)
@@ -185,24 +186,20 @@ def _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel) -> Gat
         raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
 
 
-def _precision_policy(policy, param_dtype, reduce_dtype) -> MixedPrecisionPolicy:
-    if policy is None:
-        return MixedPrecisionPolicy(param_dtype, reduce_dtype)
-    if param_dtype is not None or reduce_dtype is not None:
-        raise ValueError("shard_module: pass either mixed_precision=MixedPrecisionPolicy(...) or "
-                         "param_dtype=/reduce_dtype=, not both")
-    return policy
-
-
-def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[torch.dtype], owners: list = (),
+def _step_begin_hook(root: nn.Module, gatherer: Gatherer, precision: MixedPrecisionPolicy, owners: list = (),
                      grad_sync: Optional[GradSync] = None):
     """Root forward pre-hook: a new gather sequence starts; under mixed precision, floating inputs are cast to
-    ``param_dtype`` so they meet the gathered (cast) weights in one dtype (FSDP2's ``cast_forward_inputs``).
+    ``param_dtype`` so they meet the gathered (cast) weights in one dtype (FSDP2's ``cast_forward_inputs``), and
+    its forward hook casts floating outputs to ``output_dtype`` (both read off FSDP2's policy too, which was
+    taken by its other two fields and these two ignored).
     Its checks also run at a step's first gather where the root's forward is never called (children called
     directly, a container root): ``Gatherer.step_checks``."""
 
-    def cast(x):
-        return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    param_dtype = precision.param_dtype if getattr(precision, "cast_forward_inputs", True) else None
+    output_dtype = getattr(precision, "output_dtype", None)
+
+    def cast(x, dtype=param_dtype):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     check_materialized = _misuse.MaterializedCheck()
     known = {id(param) for _, _, param in owners}  # the parameters shard_module placed
@@ -220,9 +217,12 @@ def _step_begin_hook(root: nn.Module, gatherer: Gatherer, param_dtype: Optional[
 
     gatherer.step_checks = _misuse.PickleRefusingHook(checks)  # pickling the model reaches it: named refusal
 
-    def after_forward(module, args, output) -> None:  # a no-op .to() inside forward (transformers' Switch router)
+    def after_forward(module, args, output):  # a no-op .to() inside forward (transformers' Switch router)
         if not torch.compiler.is_compiling():
             _misuse.rehook_swapped(owners, impls)
+        if output_dtype is not None:
+            return tree_map_only(torch.Tensor, functools.partial(cast, dtype=output_dtype), output)
+        return None
 
     def hook(module, args, kwargs):
         if not torch.compiler.is_compiling():  # a traced forward has no eager schedule (see _traced.py)

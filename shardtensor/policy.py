@@ -35,7 +35,21 @@ class GatherPolicy:
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """``param_dtype``: gathers cast the (full-precision) shard before the collective and compute runs in it;
-    ``reduce_dtype``: the dtype gradients are reduced in.  None: no cast."""
+    ``reduce_dtype``: the dtype gradients are reduced in; ``output_dtype``: the root's floating outputs are cast
+    to it; ``cast_forward_inputs``: the root's floating inputs are cast to ``param_dtype``.  None: no cast.  The
+    fields and defaults of FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``, which is accepted too."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+def precision_policy(policy, param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype]):
+    """``shard_module``'s precision: ``mixed_precision=`` (ours or FSDP2's), else the two flat keywords."""
+    if policy is None:
+        return MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    if param_dtype is not None or reduce_dtype is not None:
+        raise ValueError("shard_module: pass either mixed_precision=MixedPrecisionPolicy(...) or "
+                         "param_dtype=/reduce_dtype=, not both")
+    return policy

@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "precision_output_dtype_ignored": Mutation(
+        "shardtensor/api.py", "_step_begin_hook",
+        '    output_dtype = getattr(precision, "output_dtype", None)', "    output_dtype = None",
+        ("tests/test_mixed_precision.py::test_output_dtype_and_cast_forward_inputs_of_a_precision_policy_are_applied",)),
+    "precision_cast_forward_inputs_ignored": Mutation(
+        "shardtensor/api.py", "_step_begin_hook",
+        'precision.param_dtype if getattr(precision, "cast_forward_inputs", True) else None',
+        "precision.param_dtype",
+        ("tests/test_mixed_precision.py::test_output_dtype_and_cast_forward_inputs_of_a_precision_policy_are_applied",)),
     "deferred_gradients_not_flushed_at_the_synced_end": Mutation(
         "shardtensor/reduce.py", "finish_pending",
         "        if self._deferred and self.enabled and torch._C._current_graph_task_id() != -1:",

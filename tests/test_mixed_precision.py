@@ -106,3 +106,35 @@ def test_parameters_kept_whole_beside_param_dtype_are_named_at_shard_module():
     same = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
     shardtensor.shard_module(same, param_dtype=torch.bfloat16, persist_numel=100)  # already that dtype: fine
     assert same(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def policy_fields_case(which: str) -> dict:
+    """FSDP2's ``MixedPrecisionPolicy`` (or ours) with ``output_dtype`` and ``cast_forward_inputs``."""
+    import shardtensor
+
+    if which == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    else:
+        from shardtensor import MixedPrecisionPolicy
+    out = {}
+    for fields in ({"output_dtype": torch.float32}, {"cast_forward_inputs": False}, {}):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, **fields)
+        shardtensor.shard_module(model, mixed_precision=policy)
+        key = next(iter(fields), "defaults")
+        try:
+            y = model(torch.randn(3, 4))
+            out[key] = str(y.dtype)
+        except RuntimeError as exc:
+            out[key] = f"RuntimeError: {exc}"
+    return out
+
+
+@pytest.mark.parametrize("which", ["torch", "shardtensor"])
+def test_output_dtype_and_cast_forward_inputs_of_a_precision_policy_are_applied(which):
+    """FSDP2's policy was taken by duck typing, and these two fields were ignored: bf16 outputs where float32
+    was asked for, and fp32 inputs cast all the same."""
+    for out in run_on_ranks(2, policy_fields_case, which):
+        assert out["output_dtype"] == "torch.float32" and out["defaults"] == "torch.bfloat16", out
+        assert "RuntimeError" in out["cast_forward_inputs"], out  # fp32 input meets bf16 weights, as in FSDP2

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "composite_views_computed_whole": Mutation(
+        "shardtensor/_dispatch/__init__.py", "dispatch_op",
+        "        if func.is_view and rule is compute:", "        if False:",
+        ("tests/test_inference_mode.py::test_writes_through_views_under_inference_mode_land_in_the_shards",)),
     "precision_output_dtype_ignored": Mutation(
         "shardtensor/api.py", "_step_begin_hook",
         '    output_dtype = getattr(precision, "output_dtype", None)', "    output_dtype = None",

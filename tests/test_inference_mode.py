@@ -64,3 +64,36 @@ def transformer_case(mode: str) -> float:
 def test_an_encoder_decoder_transformer_evaluates_under_inference_mode_like_the_unsharded_one(mode):
     for diff in run_on_ranks(2, transformer_case, mode):
         assert diff < 1e-6, diff
+
+
+WRITE_VIEWS = {
+    "narrow": lambda w: w.narrow(0, 1, 3), "flatten": lambda w: w.flatten(),
+    "unflatten": lambda w: w.unflatten(1, (2, 2)), "movedim": lambda w: w.movedim(0, 1),
+    "swapaxes": lambda w: w.swapaxes(0, 1), "view_as": lambda w: w.view_as(torch.empty(6, 4)), "T": lambda w: w.T,
+    "slice": lambda w: w[1:4], "select": lambda w: w[2], "view": lambda w: w.view(-1), "detach": lambda w: w.detach(),
+}
+
+
+def writes_case(context: str) -> dict:
+    """``view(w).add_(1)`` inside ``context``: each must land in the shards, as the same write on the full tensor."""
+    out = {}
+    for name, view in WRITE_VIEWS.items():
+        torch.manual_seed(0)
+        model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+        full = shardtensor.full_state_dict(model)["0.weight"].clone()
+        try:
+            with {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}[context]():
+                view(model[0].weight).add_(1.0)
+            view(full).add_(1.0)
+            out[name] = torch.equal(shardtensor.full_state_dict(model)["0.weight"], full)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "no_grad"])
+def test_writes_through_views_under_inference_mode_land_in_the_shards(context):
+    """Under inference_mode composite views (narrow, flatten, movedim, T, view_as...) reach the op table whole;
+    the fallback's gathered copy took the write and dropped it, silently."""
+    for out in run_on_ranks(2, writes_case, context):
+        assert all(v is True for v in out.values()), out

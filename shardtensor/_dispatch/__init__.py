@@ -33,9 +33,21 @@ def dispatch_op(func, args: tuple, kwargs: dict):
     """Run ``func`` by its rule (looked up once per op; keyed by id: ``OpOverload.__hash__`` is a Python method)."""
     rule = _RULE_BY_ID.get(id(func))
     if rule is None:
-        rule = _checked(rule_for(func))
+        rule = rule_for(func)
+        if func.is_view and rule is compute:  # a composite view, met undecomposed: see _decomposed_view
+            rule = _decomposed_view
+        rule = _checked(rule)
         rule = _RULE_BY_ID[id(func)] = _outside_inference_mode(rule) if func.is_view else rule
     return rule(func, args, kwargs)
+
+
+def _decomposed_view(func, args, kwargs):
+    """A composite view op (``narrow``, ``flatten``, ``movedim``, ``T``, ``view_as``...) as the primitive views it
+    is made of, each recorded on the shard by its rule.  Autograd decomposes these before they reach us, but
+    under ``torch.inference_mode()`` they arrive whole, and the fallback's gathered copy took a write through
+    them (``w.narrow(0, 3, 5).zero_()``) and dropped it, silently.  An op with no decomposition is computed."""
+    out = func.decompose(*args, **kwargs)
+    return compute(func, args, kwargs) if out is NotImplemented else out
 
 
 def _outside_inference_mode(rule: Rule) -> Rule:

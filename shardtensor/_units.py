@@ -174,7 +174,11 @@ class _Unit:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        """Every rank: this unit's gradients, in the fixed order, zeros where this rank has none."""
+        """Every rank: this unit's gradients, in the fixed order, zeros where this rank has none.  Under
+        ``gradient_sync(model, False)`` GradSync kept every gradient whole and nothing came here: no collective
+        (it reduce-scattered zeros once per unit and micro-batch)."""
+        if not self.grad_sync.enabled and not self.grads and self.flat is None:
+            return
         strategy = self.grad_sync.strategy
         if self.flat is not None and self.flat.dtype == flat_dtype(self.params, strategy):
             flat, self.flat = self.flat, None

@@ -571,3 +571,46 @@ def test_a_layer_only_unsynced_micro_batches_use_beside_per_rank_gains_trains_li
     whichever hook fired first: in a data-chosen order, a DivergenceError (last note's R3)."""
     for diff in run_on_ranks(2, deferred_layer_beside_per_rank_gains_case, mode):
         assert diff < 1e-12, diff
+
+
+def no_sync_reductions_case(mode: str) -> dict:
+    """Reductions issued during ``gradient_sync(model, False)`` micro-batches, and the gradients after the synced
+    one against the unsharded model's."""
+    import shardtensor
+    from shardtensor import _comm, _comm_rows
+
+    counted = {"reductions": 0}
+
+    def counting(fn):
+        def run(*args, **kwargs):
+            counted["reductions"] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    _comm_rows.reduce_scatter_in_place = counting(_comm_rows.reduce_scatter_in_place)
+    _comm.reduce_scatter_rows = counting(_comm.reduce_scatter_rows)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    model = shardtensor.shard_module(copy.deepcopy(plain), gather=mode)
+    xs = [[torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
+           for r in range(world)] for m in range(3)]
+    with shardtensor.gradient_sync(model, False):
+        for m in range(2):
+            model(xs[m][rank]).square().mean().backward()
+    out = {"while_off": counted["reductions"]}
+    model(xs[2][rank]).square().mean().backward()
+    out["after"] = counted["reductions"]
+    for m in range(3):
+        for r in range(world):
+            (plain(xs[m][r]).square().mean() / world).backward()
+    grads = dict(model.named_parameters())
+    out["off"] = max((grads[n].grad.full_tensor() - p.grad).abs().max().item() for n, p in plain.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_micro_batches_under_gradient_sync_off_reduce_nothing(mode):
+    """A gather unit reduce-scattered zeros after each of them (every gradient was kept whole by GradSync)."""
+    for out in run_on_ranks(2, no_sync_reductions_case, mode):
+        assert out["while_off"] == 0 and out["after"] > 0 and out["off"] < 1e-12, out

@@ -6,7 +6,8 @@ optimizers, ``clip_grad_norm_``, gradient accumulation) runs unchanged.
 
 from ._comm import CollectiveError, collective_timeout, set_collective_timeout
 from ._comm_divergence import DivergenceError, identity_check_stats, set_divergence_check
-from .api import full_state_dict, gather_stats, load_full_state_dict, shard_module
+from .api import gather_stats, shard_module
+from .full_state import full_state_dict, load_full_state_dict
 from .checkpoint import load_checkpoint, save_checkpoint, sharded_optimizer_state_dict, sharded_state_dict
 from .composable import gradient_sync, unshard_module
 from ._dispatch import ShardedOpError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -12,7 +13,6 @@ from torch.utils._pytree import tree_map_only
 
 from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict  # noqa: F401  (_misuse_optim: step hooks)
 from ._layout import ShardLayout
-from ._full import gather_full
 from ._traced import record_param_dtype
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
@@ -42,6 +42,17 @@ def _is_sharded(module: nn.Module) -> bool:
     return any(isinstance(p, ShardedParam) for p in module.parameters())
 
 
+def _outside_inference_mode(fn):
+    """``shard_module`` inside ``torch.inference_mode()`` (an eval script) made the shards inference tensors, and
+    the first gather failed on their version counter, naming nothing: they are made as normal tensors."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            return fn(*args, **kwargs)
+    return run
+
+
+@_outside_inference_mode
 def shard_module(
     module: nn.Module,
     *,
@@ -329,68 +340,6 @@ def _sharding_state(module: nn.Module) -> ShardingState:
     if state is None:
         raise ValueError(f"{type(module).__name__} was not sharded with shardtensor.shard_module")
     return state
-
-
-@torch.no_grad()
-def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Plain full tensors with the keys of the unsharded ``module.state_dict()``.  Gathers one tensor at a time.
-
-    Args:
-        rank0_only: only rank 0 of the module's group keeps the tensors (a single-file ``torch.save``); the
-            other ranks take part in the gathers, hold one full tensor at a time, and get ``{}``.
-            (Default: ``False``: every rank gets the full state dict.)
-    """
-    keep = not rank0_only or _comm.rank(getattr(getattr(module, "_shardtensor", None), "group", None)) == 0
-    out = {}
-    for key, value in module.state_dict().items():
-        if isinstance(value, ShardedParam):
-            full = gather_full(value)  # every rank takes part
-            if keep:
-                out[key] = full.clone()
-        elif keep:
-            out[key] = value
-    return out
-
-
-@torch.no_grad()
-def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True):
-    """Load a full (unsharded) state dict: each rank keeps its rows.
-
-    Everything is checked before anything is copied, so a bad state dict leaves the model as it was: missing and
-    unexpected keys (when ``strict``), non-tensor values, shapes, and dtypes (``load_state_dict`` would cast a
-    float64 or integer tensor silently; a checkpoint of another dtype is more often the wrong file than a wish).
-    The verdicts are agreed (one flag all-reduce): a file bad on one rank only is refused on every rank.
-    """
-    error = _full_state_dict_error(module.state_dict(), state_dict, strict)
-    group = getattr(getattr(module, "_shardtensor", None), "group", None)
-    if _agreement.any_rank(bool(error), group, "load_full_state_dict: the ranks' verdicts") and not error:
-        error = ("load_full_state_dict: another rank refused its state dict (its error names the key); nothing "
-                 "was copied on any rank.")
-    if error:
-        raise ValueError(error)
-    return module.load_state_dict(state_dict, strict=strict)
-
-
-def _full_state_dict_error(own: dict, state_dict: dict, strict: bool) -> str:
-    if strict:
-        missing, unexpected = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
-        if missing or unexpected:
-            return (f"load_full_state_dict: keys do not match the model: missing {missing[:5]}"
-                    f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                    f"{'...' if len(unexpected) > 5 else ''}. Fix: load the checkpoint of this architecture, or pass "
-                    "strict=False to load the matching keys only.")
-    for key, value in state_dict.items():
-        if key not in own:
-            continue
-        if not isinstance(value, torch.Tensor):
-            return f"load_full_state_dict: {key!r} is a {type(value).__name__}, not a tensor"
-        if tuple(own[key].shape) != tuple(value.shape):
-            return (f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but "
-                    f"{tuple(own[key].shape)} in the model")
-        if own[key].dtype != value.dtype:
-            return (f"load_full_state_dict: {key!r} is {value.dtype} in the state dict but {own[key].dtype} in the "
-                    f"model. Fix: cast it first if that is intended ({{k: v.to(dtype) ...}}).")
-    return ""
 
 
 def gather_stats(module: nn.Module) -> dict[str, int]:

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "shards_made_inside_inference_mode": Mutation(
+        "shardtensor/api.py", "_outside_inference_mode",
+        "        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():",
+        "        with contextlib.nullcontext():",
+        ("tests/test_inference_mode.py::test_shard_module_inside_inference_mode_evaluates_like_the_unsharded_model",)),
     "unit_reduces_zeros_while_sync_is_off": Mutation(
         "shardtensor/_units.py", "reduce",
         "        if not self.grad_sync.enabled and not self.grads and self.flat is None:", "        if False:",
@@ -195,7 +200,7 @@ MUTATIONS = {
         "        _comm._div.take_step_record(group, [other[4] for other in everyone])", "        pass",
         ("tests/test_divergence.py::test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather",)),
     "full_state_dict_verdicts_not_agreed": Mutation(
-        "shardtensor/api.py", "load_full_state_dict",
+        "shardtensor/full_state.py", "load_full_state_dict",
         "    if _agreement.any_rank(bool(error), group, \"load_full_state_dict: the ranks' verdicts\") and not error:",
         "    if False:",
         ("tests/test_reliability.py::test_a_full_state_dict_bad_on_one_rank_is_refused_on_every_rank",)),

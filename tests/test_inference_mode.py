@@ -97,3 +97,24 @@ def test_writes_through_views_under_inference_mode_land_in_the_shards(context):
     the fallback's gathered copy took the write and dropped it, silently."""
     for out in run_on_ranks(2, writes_case, context):
         assert all(v is True for v in out.values()), out
+
+
+def shard_inside_case(build_inside: bool) -> float:
+    torch.manual_seed(0)
+    plain = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True).eval()
+    src, tgt = torch.randn(2, 5, 8), torch.randn(2, 3, 8)
+    with torch.inference_mode():
+        model = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True).eval() if build_inside else None
+    if model is None:
+        model = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True).eval()
+    with torch.inference_mode():
+        model.load_state_dict(plain.state_dict())
+        shardtensor.shard_module(model)  # an eval script: everything under inference_mode
+        return (model(src, tgt) - plain(src, tgt)).abs().max().item()
+
+
+@pytest.mark.parametrize("build_inside", [False, True])
+def test_shard_module_inside_inference_mode_evaluates_like_the_unsharded_model(build_inside):
+    """The shards were inference tensors, and the first gather failed on their version counter."""
+    for diff in run_on_ranks(2, shard_inside_case, build_inside):
+        assert diff < 1e-6, diff

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map_only
 
 from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict  # noqa: F401  (_misuse_optim: step hooks)
 from ._layout import ShardLayout
+from ._sync_switch import attach_habits
 from ._traced import record_param_dtype
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer, GradientReducer, GradSync
@@ -174,6 +175,7 @@ def shard_module(
     _hook_loads(module, names, handles)
     attach_units(module, units, gatherer, grad_sync, handles)  # after the step hook: a root unit gathers second
     module._shardtensor = ShardingState(gatherer, grad_sync, group, names, handles)
+    attach_habits(module, grad_sync)  # module.no_sync() (DDP) and set_requires_gradient_sync (FSDP2)
     module._ddp_params_and_buffers_to_ignore = _misuse.RefuseDDP()
     if offload is not None:
         if not hasattr(offload, "attach"):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._sync_switch import SyncSwitch, detach_habits
 from .api import _sharding_state
 from .gather import gather_full
 from .tensor import ShardedParam
 
 
-class gradient_sync:  # noqa: N801 - used like a function, as FSDP's no_sync / set_requires_gradient_sync
+class gradient_sync(SyncSwitch):  # noqa: N801 - used like a function, as FSDP's no_sync / set_requires_gradient_sync
     """Turn gradient reduction of a sharded module off (``False``) or on (``True``); also a context manager.
 
     Off, each backward keeps the *full* local gradient of every parameter in a side buffer (one full tensor
@@ -25,21 +26,12 @@ class gradient_sync:  # noqa: N801 - used like a function, as FSDP's no_sync / s
         opt.step()
 
     Called without ``with`` it just sets the switch.  The last backward before ``opt.step()`` must run with
-    sync on, and must reach every parameter whose gradients were deferred.
+    sync on, and must reach every parameter whose gradients were deferred.  ``model.no_sync()`` (DDP's name) and
+    ``model.set_requires_gradient_sync(flag)`` (FSDP2's) are the same switch.
     """
 
     def __init__(self, module: nn.Module, enabled: bool):
-        if not isinstance(enabled, bool):
-            raise TypeError(f"gradient_sync: enabled={enabled!r}; expected True or False")
-        self._grad_sync = _sharding_state(module).grad_sync
-        self._previous = self._grad_sync.enabled
-        self._grad_sync.enabled = enabled
-
-    def __enter__(self) -> "gradient_sync":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._grad_sync.enabled = self._previous
+        super().__init__(_sharding_state(module).grad_sync, enabled)
 
 
 @torch.no_grad()
@@ -73,5 +65,6 @@ def unshard_module(module: nn.Module) -> nn.Module:
                 replaced[id(param)] = plain
             submodule._parameters[name] = replaced[id(param)]
     del module._shardtensor
+    detach_habits(module)
     module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)  # DDP may wrap it now (see _misuse.RefuseDDP)
     return module

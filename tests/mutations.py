@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "ddp_and_fsdp2_sync_names_missing": Mutation(
+        "shardtensor/_sync_switch.py", "attach_habits",
+        "            module.__dict__[name] = fn", "            pass",
+        ("tests/test_sync_habits.py::test_ddp_and_fsdp2_accumulation_names_work_on_a_sharded_model",)),
     "shards_made_inside_inference_mode": Mutation(
         "shardtensor/api.py", "_outside_inference_mode",
         "        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():",

@@ -1,0 +1,53 @@
+"""The gradient-sync switch, and the names DDP and FSDP2 scripts call it by on the model itself.
+
+A DDP script accumulates with ``with model.no_sync():``, an FSDP2 one with ``model.set_requires_gradient_sync(
+False)``, and accelerate calls ``model.no_sync()`` where the model has one.  ``shard_module`` leaves the model's
+class alone (FSDP2 swaps it for a subclass, which changes ``type(model).__name__``, and transformers saves that
+name as the architecture), so those two names are set on the root instance instead, each the same switch as
+``shardtensor.gradient_sync``: an attribute error there sent the user looking for an API that exists.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class SyncSwitch:
+    """Turn ``grad_sync``'s reduction off (``False``) or on (``True``) now; as a context manager, back to what it
+    was on exit."""
+
+    def __init__(self, grad_sync, enabled: bool, caller: str = "gradient_sync"):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"{caller}: enabled={enabled!r}; expected True or False")
+        self._grad_sync = grad_sync
+        self._previous = grad_sync.enabled
+        grad_sync.enabled = enabled
+
+    def __enter__(self) -> "SyncSwitch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._grad_sync.enabled = self._previous
+
+
+HABITS = ("no_sync", "set_requires_gradient_sync")
+
+
+def attach_habits(module: nn.Module, grad_sync) -> None:
+    """``module.no_sync()`` (DDP's: a context manager) and ``module.set_requires_gradient_sync(flag)`` (FSDP2's),
+    where the module's class has no attribute of that name of its own."""
+
+    def no_sync() -> SyncSwitch:
+        return SyncSwitch(grad_sync, False, "no_sync")
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        SyncSwitch(grad_sync, requires_gradient_sync, "set_requires_gradient_sync")
+
+    for name, fn in zip(HABITS, (no_sync, set_requires_gradient_sync)):
+        if not hasattr(type(module), name) and name not in module.__dict__:
+            module.__dict__[name] = fn
+
+
+def detach_habits(module: nn.Module) -> None:
+    for name in HABITS:
+        module.__dict__.pop(name, None)

@@ -1,0 +1,63 @@
+"""The names DDP and FSDP2 scripts accumulate gradients by, on a sharded model: ``with model.no_sync():`` (DDP,
+and accelerate, which calls it where the model has one) and ``model.set_requires_gradient_sync(False)``
+(FSDP2): the same switch as ``shardtensor.gradient_sync``, the same gradients as the unsharded run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import torch
+from torch import nn
+
+import shardtensor
+from rank_pool import run_on_ranks
+
+
+def accumulate_case(how: str) -> dict:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    model = shardtensor.shard_module(copy.deepcopy(plain))
+    xs = [[torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
+           for r in range(world)] for m in range(3)]
+    grad_sync = model._shardtensor.grad_sync
+    switched = []
+    if how == "no_sync":
+        with model.no_sync():
+            switched.append(grad_sync.enabled)
+            for m in range(2):
+                model(xs[m][rank]).square().mean().backward()
+    else:
+        model.set_requires_gradient_sync(False)
+        switched.append(grad_sync.enabled)
+        for m in range(2):
+            model(xs[m][rank]).square().mean().backward()
+        model.set_requires_gradient_sync(True)
+    switched.append(grad_sync.enabled)
+    model(xs[2][rank]).square().mean().backward()
+    for m in range(3):
+        for r in range(world):
+            (plain(xs[m][r]).square().mean() / world).backward()
+    grads = dict(model.named_parameters())
+    off = max((grads[n].grad.full_tensor() - p.grad).abs().max().item() for n, p in plain.named_parameters())
+    model.zero_grad()
+    shardtensor.unshard_module(model)
+    return {"switched": switched, "off": off, "gone_after_unshard": not hasattr(model, how)}
+
+
+@pytest.mark.parametrize("how", ["no_sync", "set_requires_gradient_sync"])
+def test_ddp_and_fsdp2_accumulation_names_work_on_a_sharded_model(how):
+    """Both were a plain AttributeError: the script's author went looking for an API that exists."""
+    for out in run_on_ranks(2, accumulate_case, how):
+        assert out["switched"] == [False, True] and out["off"] < 1e-12 and out["gone_after_unshard"], out
+
+
+def test_a_models_own_no_sync_is_left_alone():
+    class Own(nn.Linear):
+        def no_sync(self):
+            return "own"
+
+    model = shardtensor.shard_module(Own(4, 4))
+    assert model.no_sync() == "own"

@@ -58,7 +58,8 @@ def agree_on_full_state(owner: str, full: list[FullState], group, others_refuse:
     if not _comm.is_distributed() or _comm.world_size(group) == 1:
         return
     flags = torch.tensor([float(others_refuse), float(bool(full)), float(not full)])
-    _comm.all_reduce(flags, group, op="max", label=f"{owner}: whether the loaded optimizer state is full")
+    _comm.all_reduce(flags, group, op="max", label=f"{owner} after a load_state_dict: whether the loaded optimizer "
+                     "state is full (every rank must load)")
     refused, some_full, some_rows = (bool(f) for f in flags.tolist())
     nothing, noun = ("Nothing was loaded on any rank.", "state") if at_load else (
         "Nothing was updated on any rank.", "optimizer state")

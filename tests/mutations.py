@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "dtype_view_computed": Mutation(
+        "shardtensor/_dispatch/views.py", "_dtype_view",
+        "    return self._derived(self._local.view(dtype), gatherer=self._gatherer)",
+        "    return compute(func, args, kwargs)",
+        ("tests/test_inference_mode.py::test_a_write_through_a_dtype_view_lands_in_the_shards",)),
     "ddp_and_fsdp2_sync_names_missing": Mutation(
         "shardtensor/_sync_switch.py", "attach_habits",
         "            module.__dict__[name] = fn", "            pass",

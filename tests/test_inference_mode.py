@@ -118,3 +118,23 @@ def test_shard_module_inside_inference_mode_evaluates_like_the_unsharded_model(b
     """The shards were inference tensors, and the first gather failed on their version counter."""
     for diff in run_on_ranks(2, shard_inside_case, build_inside):
         assert diff < 1e-6, diff
+
+
+def dtype_view_case(context: str) -> dict:
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+    w = model[0].weight
+    full = shardtensor.full_state_dict(model)["0.weight"].clone()
+    with {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}[context]():
+        reads = torch.equal(w.t().view(torch.int32) * 1, full.t().view(torch.int32)) and \
+            torch.equal(w.view(torch.float16) * 1, full.view(torch.float16))  # another element size: computed
+        w.view(torch.int32).add_(1)  # the next float up, in every element
+    full.view(torch.int32).add_(1)
+    return {"reads": reads, "write": torch.equal(shardtensor.full_state_dict(model)["0.weight"], full)}
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "no_grad"])
+def test_a_write_through_a_dtype_view_lands_in_the_shards(context):
+    """``w.view(torch.int32).add_(1)`` went into the fallback's gathered copy and was dropped, silently."""
+    for out in run_on_ranks(2, dtype_view_case, context):
+        assert out == {"reads": True, "write": True}, out

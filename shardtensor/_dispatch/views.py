@@ -64,6 +64,17 @@ def _view_as_copy(func, args, kwargs):
         return _unalias(out, fulls)
 
 
+@implements(aten.view.dtype)
+def _dtype_view(func, args, kwargs):
+    """``w.view(torch.int32)``: the same bits as another dtype of the same size, a view of the shard (the rows and
+    every recorded view keep their geometry).  The fallback's gathered copy took a write through it and dropped
+    it, silently.  Another element size changes the rows' extent: computed (a copy, as before)."""
+    self, dtype = args[0], args[1]
+    if not isinstance(self, ShardedParam) or torch.empty((), dtype=dtype).element_size() != self.element_size():
+        return compute(func, args, kwargs)
+    return self._derived(self._local.view(dtype), gatherer=self._gatherer)
+
+
 @implements([aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default])
 def _multi_view(func, args, kwargs):
     """Multi-output views (``nn.MultiheadAttention`` splits its packed in_proj weight): one view per output."""

@@ -4,12 +4,13 @@
 A unit's backward is found from its outputs: a hook on their gradients gathers its parameters again, and this
 node on its inputs frees them and reduces its gradients.  An MoE layer on a rank whose batch routed no token
 anywhere calls no expert: its output (``zeros_like(x)``) needs no gradient, so on that rank the unit's backward
-never begins while the other ranks gather and reduce it: a ``DivergenceError`` (sequential mode, where the MoE
+never began while the other ranks gathered and reduced it: a ``DivergenceError`` (sequential mode, where the MoE
 layer is the unit; in overlapped mode the block's residual keeps its output in the graph).  Tying such an output
 to the unit's inputs (zeros flowing back) fixes that rank, but where *every* rank's output needs no gradient it
-gives the layers before the unit zero gradients instead of none, which AdamW's decay then moves: whether another
-rank needs the unit's backward is only known by asking them (a collective per unit and forward), so the case
-stays a named error.
+gave the layers before the unit zero gradients instead of none, which AdamW's decay then moved.  So a unit that
+routes by its data (``_unit_policy._data_dependent``) asks the other ranks, once per forward with gradients (one
+flag all-reduce), whether any needs its backward, and ties its output (``TieToInputs``) only then.  A rank whose
+unit has no input that needs a gradient cannot be tied: that case stays a named ``DivergenceError``.
 """
 
 from __future__ import annotations
@@ -29,3 +30,40 @@ class PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.unit.post_backward()
         return (None, *grads)
+
+
+class TieToInputs(torch.autograd.Function):
+    """``output`` unchanged, as a function of the unit's inputs whose gradient is zero: the unit's backward (its
+    gather and reduction, with no gradient of this rank's) runs here as on the ranks that need it."""
+
+    @staticmethod
+    def forward(ctx, output, *inputs):
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+
+
+def tie_if_another_rank_needs(unit, args: tuple, output, group):
+    """The unit's output, tied to its inputs where it needs no gradient here but does on another rank (see the
+    note above); ``None``: keep it as it is."""
+    from torch.utils._pytree import tree_map
+
+    from ._agreement import any_rank
+
+    mine = any(isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(output))
+    if not any_rank(mine, group, f"whether any rank needs the backward of unit {unit.name!r}") or mine:
+        return None
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not inputs:
+        return None
+    return tree_map(lambda t: TieToInputs.apply(t, *inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t, output)
+
+
+def _leaves(output) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(output)

@@ -35,8 +35,8 @@ from . import _comm, _grad_landing, _misuse
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
-from ._unit_autograd import PostBackward
-from ._unit_policy import UnitPolicy, select_units  # noqa: F401  (UnitPolicy: re-exported)
+from ._unit_autograd import PostBackward, tie_if_another_rank_needs
+from ._unit_policy import UnitPolicy, _data_dependent, select_units  # noqa: F401  (UnitPolicy: re-exported)
 from ._unit_buffers import (FlatGrads, FullsPool, HeldFull, complete_unit_gathers, finish_reductions, flat_dtype,
                             issue_unit_gathers, reduce_exact)
 from .tensor import ShardedParam
@@ -246,6 +246,7 @@ class UnitSet:
                 continue
             unit = _Unit(names.get(id(module), type(module).__name__), params, gatherer, grad_sync)
             unit.pool, unit.in_flight = self.pool, self.in_flight
+            unit.routes_by_data = _data_dependent(module)
             for i, p in enumerate(params):
                 self.of_param[id(p)] = (unit, i)
             self.units.append(unit)
@@ -302,11 +303,14 @@ class UnitSet:
             unit.gives = self._next_overlapped(unit, +1) is not None
             unit.unhold()
             unit.gives = False
+            if unit.routes_by_data and torch.is_grad_enabled():  # [Note: a unit's output that needs no gradient ...]
+                tied = tie_if_another_rank_needs(unit, args, output, unit.params[0]._layout.group)
+                output = output if tied is None else tied
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit),
                                                               mode="any")
-            return None
+            return output
 
         return hook
 

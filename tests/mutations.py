@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "unit_output_without_gradient_never_tied": Mutation(
+        "shardtensor/_units.py", "_post_forward",
+        "            if unit.routes_by_data and torch.is_grad_enabled():", "            if False:",
+        ("tests/test_units.py::test_a_rank_whose_tokens_reach_no_expert",)),
+    "unit_output_tied_without_asking": Mutation(
+        "shardtensor/_unit_autograd.py", "tie_if_another_rank_needs",
+        "    if not any_rank(mine, group, f\"whether any rank needs the backward of unit {unit.name!r}\") or mine:",
+        "    if mine:",
+        ("tests/test_units.py::test_no_rank_reaching_any_expert_trains_like_the_unsharded_model",)),
     "dtype_view_computed": Mutation(
         "shardtensor/_dispatch/views.py", "_dtype_view",
         "    return self._derived(self._local.view(dtype), gatherer=self._gatherer)",

@@ -72,6 +72,7 @@ def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = N
                                     group=group, tag=tag))
             works.append(dist.irecv(scratch, src=_comm.global_rank_of(group, frm), group=group, tag=tag))
             sums.append((own, scratch))
+    _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()] + works  # see the note below
     work = _comm._issued(_AddOnWait(_WorkList(works), sums), kind, total, group, async_op, label, seq)
     return [b[me * (b.shape[0] // world):(me + 1) * (b.shape[0] // world)] for b in buffers], work
 
@@ -83,8 +84,13 @@ def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = N
 # price is a scratch of (world - 1) times this rank's rows per buffer, alive until the wait: the sum of a
 # rank's rows cannot be received into the rows being sent.  Each call's sends carry their own tag (the identity
 # check's sequence number, the same on every rank), so two reductions in flight never match each other's sends;
-# collectives use tags of their own (a slot prefix), so the two never meet either.
+# collectives use tags of their own (a slot prefix), so the two never meet either.  A caller may drop a
+# reduction it no longer wants (a failed backward's, at the next forward): a send or receive whose work object
+# is destroyed before it completes breaks the pair's stream, and the next broadcast between the two ranks hung
+# (test_a_failed_backward_leaves_no_half_reduced_gradients).  So every send and receive stays referenced here
+# until it has completed; the list is pruned at each call.
 _P2P_TAGS = 1 << 30
+_IN_FLIGHT: list = []
 
 
 class _AddOnWait:

@@ -148,3 +148,12 @@ def _will_accumulate(param) -> bool:
         if "autograd.grad" in str(exc):
             return False
         raise
+
+
+def discarded_by_zero_grad(param) -> bool:
+    """Whether ``opt.zero_grad()`` / ``model.zero_grad()`` (``set_to_none``, their default) ran since ``param``'s
+    gradient was deferred: a deferring backward leaves ``.grad`` set (a zero placeholder), so ``None`` now means
+    the accumulation was thrown away, as DDP's ``zero_grad`` throws away what ``no_sync`` accumulated in ``.grad``
+    (an epoch's last incomplete accumulation, a skipped NaN batch).  The deferred gradient was added to the next
+    synced step, silently."""
+    return param is not None and param.grad is None

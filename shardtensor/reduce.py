@@ -244,7 +244,7 @@ class GradSync:
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
                 self._defer(key, grad, (param, layout))
                 return _grad_landing.zero_placeholder(param, grad)
-            summed = self._with_deferred(key, grad)
+            summed = self._with_deferred(key, grad, param)
             owned, grad = owned or summed is not grad, summed
             if self._replicated_params:
                 self._queue_finish_once()  # the replicated gradients' reduction must run on every rank
@@ -273,7 +273,7 @@ class GradSync:
             if not self.enabled:  # nothing is reduced at this backward's end (gradient_sync off)
                 return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))
             self._queue_finish_once()
-            grad = self._with_deferred(key, grad.detach()).clone()
+            grad = self._with_deferred(key, grad.detach(), param).clone()
             if param is not None and not _read_by_user_hooks(param):
                 if param.grad is None and id(param) not in self._replicated_later:
                     # AccumulateGrad copies a gradient someone else still references, so keep the parameter and
@@ -341,6 +341,8 @@ class GradSync:
         for key in [k for k in self._deferred if k.startswith("replicated:") and k in owners]:
             param = owners.pop(key)[0]
             kept = self._deferred.pop(key)
+            if _grad_landing.discarded_by_zero_grad(param):
+                continue
             if id(param) in later:
                 later[id(param)].add_(kept)
             else:
@@ -385,8 +387,9 @@ class GradSync:
         _misuse.note_deferred(self, key, owner)  # opt.step() refuses to run while this is deferred
         return grad
 
-    def _with_deferred(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+    def _with_deferred(self, key: str, grad: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:
         kept = self._deferred.pop(key, None) if self._deferred else None
+        kept = None if _grad_landing.discarded_by_zero_grad(param) else kept  # zero_grad() since: thrown away
         if self._deferred:  # parameters this backward does not reach are reduced at its end (finish_pending)
             self._queue_finish_once()
         return grad if kept is None else kept.add_(grad)
@@ -394,3 +397,4 @@ class GradSync:
     def deferred_bytes(self) -> int:
         """Bytes of full local gradients waiting for the next synced backward."""
         return sum(t.numel() * t.element_size() for t in self._deferred.values())
+

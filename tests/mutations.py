@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "dropped_sends_not_kept_until_done": Mutation(
+        "shardtensor/_comm_rows.py", "reduce_scatter_in_place",
+        "    _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()] + works  # see the note below",
+        "    pass",
+        ("tests/test_gather.py::test_a_failed_backward_leaves_no_half_reduced_gradients",)),
+    "zero_grad_keeps_deferred_gradients": Mutation(
+        "shardtensor/_grad_landing.py", "discarded_by_zero_grad",
+        "    return param is not None and param.grad is None", "    return False",
+        ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "unit_output_without_gradient_never_tied": Mutation(
         "shardtensor/_units.py", "_post_forward",
         "            if unit.routes_by_data and torch.is_grad_enabled():", "            if False:",

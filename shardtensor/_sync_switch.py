@@ -30,6 +30,20 @@ class SyncSwitch:
         self._grad_sync.enabled = self._previous
 
 
+class _OffInside:
+    """DDP's ``no_sync()``: off inside the ``with`` only (called bare, it does nothing, as DDP's does)."""
+
+    def __init__(self, grad_sync):
+        self._grad_sync, self._previous = grad_sync, None
+
+    def __enter__(self) -> "_OffInside":
+        self._previous, self._grad_sync.enabled = self._grad_sync.enabled, False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._grad_sync.enabled = self._previous
+
+
 HABITS = ("no_sync", "set_requires_gradient_sync")
 
 
@@ -37,8 +51,8 @@ def attach_habits(module: nn.Module, grad_sync) -> None:
     """``module.no_sync()`` (DDP's: a context manager) and ``module.set_requires_gradient_sync(flag)`` (FSDP2's),
     where the module's class has no attribute of that name of its own."""
 
-    def no_sync() -> SyncSwitch:
-        return SyncSwitch(grad_sync, False, "no_sync")
+    def no_sync() -> _OffInside:
+        return _OffInside(grad_sync)
 
     def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         SyncSwitch(grad_sync, requires_gradient_sync, "set_requires_gradient_sync")

@@ -104,3 +104,13 @@ def test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated(mode, unit
     added to the next synced step, silently (0.4 off after one step)."""
     for diff in run_on_ranks(2, discarded_accumulation_case, mode, units, how):
         assert diff < 1e-12, diff
+
+
+def test_no_sync_called_without_with_changes_nothing_as_ddps():
+    model = shardtensor.shard_module(nn.Linear(4, 4))
+    grad_sync = model._shardtensor.grad_sync
+    model.no_sync()  # DDP's no_sync() is a context manager: bare, it does nothing
+    assert grad_sync.enabled
+    with model.no_sync():
+        assert not grad_sync.enabled
+    assert grad_sync.enabled

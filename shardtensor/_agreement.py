@@ -155,8 +155,9 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     items, refusal = [], None
     if root or not prefix:  # the module load_state_dict was called on (or the sharded root below a wrapper)
         errors = torch_load_errors(module, state_dict, prefix)
-        if root and not prefix and _strict_load_of(module):
-            errors += torch_key_errors(module, state_dict)
+        caller, given = _strict_load_caller(module)
+        if caller is not None and (caller is module or prefix):  # a wrapper's load: its keys too
+            errors += torch_key_errors(caller, given)
         if args and args[0].get("assign_to_params_buffers") and params:
             refusal = ValueError(
                 "load_state_dict(assign=True) would put the state dict's tensors in place of the sharded "
@@ -164,8 +165,9 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
                 "Nothing was copied on any rank. Fix: load without assign=True (each rank copies its rows of the "
                 "full tensors in place); for a meta-device model, shardtensor.materialize(model) first.")
         elif errors:
+            owner = type(module if caller is None else caller).__name__
             refusal = RuntimeError(
-                f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors) +
+                f"Error(s) in loading state_dict for {owner}:\n\t" + "\n\t".join(errors) +
                 "\nNothing was copied on any rank (torch copies the other tensors before it raises; a sharded "
                 "model's load is all or nothing).")
         _refuse_on_every_rank(refusal, params)
@@ -202,46 +204,56 @@ def _refuse_on_every_rank(refusal: Optional[Exception], params: dict) -> None:
             "rank copies anything: a load is all ranks' or none's.")
 
 
-def _strict_load_of(module) -> bool:
-    """Whether ``module.load_state_dict(..., strict=True)`` is what runs this hook: torch hands every module's
-    load ``strict=True`` and applies the caller's ``strict`` only at the end, so it is read from the caller's
-    frame (False where that frame is not found: torch decides then, as before)."""
+def _strict_load_caller(module) -> tuple:
+    """``(module, state dict)`` of the ``load_state_dict(..., strict=True)`` that runs this hook (``module``
+    itself, or a wrapper around it), or ``(None, None)``: torch hands every module's load ``strict=True``, a
+    child only its own keys, and applies the caller's ``strict`` at the end, so both are read from the nearest
+    ``load_state_dict`` frame (none found: torch decides, as before)."""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code is nn.Module.load_state_dict.__code__ and frame.f_locals.get("self") is module:
-            return bool(frame.f_locals.get("strict", True))
+        if frame.f_code is nn.Module.load_state_dict.__code__:
+            caller, given = frame.f_locals.get("self"), frame.f_locals.get("state_dict")
+            if frame.f_locals.get("strict", True) and isinstance(caller, nn.Module) and isinstance(given, dict):
+                return caller, given
+            return None, None
         frame = frame.f_back
-    return False
+    return None, None
 
 
 def torch_key_errors(module, state_dict: dict) -> list[str]:
-    """The missing and unexpected keys ``strict=True`` reports, found before the first copy (torch copies every
-    other tensor first, then raises: a half-loaded model).  Only where every module below loads the plain way:
-    a load pre-hook or a ``_load_from_state_dict`` of a module's own may rename or consume keys, and torch
-    decides there.  A norm layer's missing ``num_batches_tracked`` is filled in by the layer, not reported."""
+    """The missing and unexpected keys ``strict=True`` reports, by torch's own per-module rules, found before the
+    first copy (torch copies every other tensor first, then raises: a half-loaded model).  Only where every module
+    loads the plain way: a load pre- or post-hook or a ``_load_from_state_dict`` of a module's own may rename,
+    consume or forgive keys, and torch decides there.  A norm layer's missing ``num_batches_tracked`` is filled
+    in by the layer, not reported."""
     from torch.nn.modules.batchnorm import _NormBase
 
-    expected = set()
+    missing, unexpected = [], set()
     for name, sub in module.named_modules(remove_duplicate=False):
         if any(not _is_ours(h) for h in sub._load_state_dict_pre_hooks.values()) or \
+                any(h is not loaded for h in sub._load_state_dict_post_hooks.values()) or \
                 type(sub)._load_from_state_dict not in (nn.Module._load_from_state_dict,
                                                         _NormBase._load_from_state_dict):
             return []
-        dot = f"{name}." if name else ""
-        tensors = {**sub._parameters, **{k: v for k, v in sub._buffers.items()
-                                         if k not in sub._non_persistent_buffers_set}}
-        if any(t is not None and nn.parameter.is_lazy(t) for t in tensors.values()):
+        prefix = f"{name}." if name else ""
+        local = {k for k, v in {**sub._parameters, **{k: v for k, v in sub._buffers.items()
+                                                       if k not in sub._non_persistent_buffers_set}}.items()
+                 if v is not None}
+        if any(nn.parameter.is_lazy(getattr(sub, k)) for k in local):
             return []
-        expected.update(dot + k for k, t in tensors.items() if t is not None)
-        if type(sub).get_extra_state is not nn.Module.get_extra_state:
-            expected.add(dot + "_extra_state")
-    missing = sorted(k for k in expected - set(state_dict) if not k.endswith("num_batches_tracked"))
-    unexpected = sorted(set(state_dict) - expected)
+        missing += [prefix + k for k in local if prefix + k not in state_dict and k != "num_batches_tracked"]
+        extra, takes_extra = prefix + "_extra_state", type(sub).set_extra_state is not nn.Module.set_extra_state
+        if takes_extra and extra not in state_dict:
+            missing.append(extra)
+        for key in state_dict:
+            if key.startswith(prefix) and (key != extra or not takes_extra) and \
+                    key[len(prefix):].split(".", 1)[0] not in sub._modules.keys() | local:
+                unexpected.add(key)
     errors = []
     if unexpected:
-        errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+        errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected)) + ". ")
     if missing:
-        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing)) + ". ")
     return errors
 
 

@@ -28,6 +28,16 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "wrapper_load_keys_unchecked": Mutation(
+        "shardtensor/_agreement.py", "agree_on_load",
+        "        if caller is not None and (caller is module or prefix):  # a wrapper's load: its keys too",
+        "        if caller is module:",
+        ("tests/test_load_keys.py::test_a_strict_load_through_a_wrapper_changes_nothing_on_any_rank",)),
+    "load_post_hooks_ignored_by_the_key_check": Mutation(
+        "shardtensor/_agreement.py", "torch_key_errors",
+        "                any(h is not loaded for h in sub._load_state_dict_post_hooks.values()) or \\",
+        "                False or \\",
+        ("tests/test_load_keys.py::test_strict_loads_torch_takes_are_taken",)),
     "dropped_sends_not_kept_until_done": Mutation(
         "shardtensor/_comm_rows.py", "reduce_scatter_in_place",
         "    _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()] + works  # see the note below",
@@ -89,15 +99,17 @@ MUTATIONS = {
         ("tests/test_save_pretrained.py::test_save_pretrained_without_the_full_state_dict_names_the_recipe",)),
     "strict_load_keys_left_to_torch": Mutation(
         "shardtensor/_agreement.py", "agree_on_load",
-        "        if root and not prefix and _strict_load_of(module):", "        if False:",
+        "        if caller is not None and (caller is module or prefix):  # a wrapper's load: its keys too",
+        "        if False:",
         ("tests/test_load_keys.py::test_a_strict_load_torch_would_refuse_changes_nothing_on_any_rank",)),
     "load_refusal_raised_on_its_rank_alone": Mutation(
         "shardtensor/_agreement.py", "_refuse_on_every_rank",
         "    if world > 1:", "    if False:",
         ("tests/test_load_keys.py::test_a_strict_load_torch_would_refuse_changes_nothing_on_any_rank",)),
     "non_strict_load_taken_for_strict": Mutation(
-        "shardtensor/_agreement.py", "_strict_load_of",
-        '            return bool(frame.f_locals.get("strict", True))', "            return True",
+        "shardtensor/_agreement.py", "_strict_load_caller",
+        '            if frame.f_locals.get("strict", True) and isinstance(caller, nn.Module) and isinstance(given, dict):',
+        '            if isinstance(caller, nn.Module) and isinstance(given, dict):',
         ("tests/test_load_keys.py::test_a_non_strict_load_with_missing_keys_loads_the_rest_as_torch_does",)),
     "reduce_by_sends_drops_what_it_receives": Mutation(
         "shardtensor/_comm_rows.py", "wait",

@@ -66,3 +66,72 @@ def test_a_non_strict_load_with_missing_keys_loads_the_rest_as_torch_does():
     for r in run_on_ranks(2, load_case, "missing", -1, False):
         assert r["outcome"] == "loaded: missing ['2.weight'], unexpected []", r
         assert r["took_source"] and not r["unchanged"], r
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.head = inner, nn.Linear(2, 2)
+
+
+def wrapper_case(only_rank: int) -> dict:
+    """A plain wrapper around the sharded root; rank ``only_rank``'s dict has a DDP checkpoint's keys."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = _Wrapper(shardtensor.shard_module(_build(0)))
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model.inner).items()}
+    source = _Wrapper(_build(1)).state_dict()
+    given = {f"module.{k}": v for k, v in source.items()} if rank == only_rank else source
+    try:
+        model.load_state_dict(given)
+        outcome = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
+        outcome = f"{type(exc).__name__}: {exc}"
+    after = shardtensor.full_state_dict(model.inner)
+    return {"outcome": outcome, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def test_a_strict_load_through_a_wrapper_changes_nothing_on_any_rank():
+    """The key check ran only for a load called on the sharded root: through a wrapper, rank 1 raised torch's
+    error while rank 0 met a DivergenceError about digests, and the ranks stayed out of step."""
+    results = run_on_ranks(2, wrapper_case, 1)
+    assert '"inner.0.weight"' in results[1]["outcome"] and "another rank refused it" in results[0]["outcome"], results
+    assert all(r["outcome"].startswith("RuntimeError") and r["unchanged"] for r in results), results
+
+
+class _Forgiving(nn.Module):
+    """A load post-hook that forgives missing keys (torch documents that strict honours the edit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_load_state_dict_post_hook(lambda module, keys: keys.missing_keys.clear())
+
+
+class _StateOnly(nn.Linear):
+    """``get_extra_state`` without ``set_extra_state``: torch neither wants nor loads the key."""
+
+    def get_extra_state(self):
+        return {"note": 1}
+
+
+def _none_child() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_module("c", None)
+    return model
+
+
+@pytest.mark.parametrize("build,edit", [
+    (_Forgiving, lambda sd: {k: v for k, v in sd.items() if not k.startswith("b.")}),
+    (lambda: _StateOnly(4, 4), lambda sd: {k: v for k, v in sd.items() if k != "_extra_state"}),
+    (_none_child, lambda sd: {**sd, "c.weight": torch.zeros(4, 4)}),
+])
+def test_strict_loads_torch_takes_are_taken(build, edit):
+    """Refused by the first version of the key check; torch loads them."""
+    torch.manual_seed(0)
+    given = edit(build().state_dict())
+    plain, model = build(), shardtensor.shard_module(build())
+    want = plain.load_state_dict(given)
+    got = model.load_state_dict(given)
+    assert (sorted(got.missing_keys), sorted(got.unexpected_keys)) == (sorted(want.missing_keys),
+                                                                       sorted(want.unexpected_keys))

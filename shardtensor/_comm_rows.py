@@ -88,7 +88,7 @@ def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = N
 # reduction it no longer wants (a failed backward's, at the next forward): a send or receive whose work object
 # is destroyed before it completes breaks the pair's stream, and the next broadcast between the two ranks hung
 # (test_a_failed_backward_leaves_no_half_reduced_gradients).  So every send and receive stays referenced here
-# until it has completed; the list is pruned at each call.
+# until it has completed; the list is pruned at each call and each wait.
 _P2P_TAGS = 1 << 30
 _IN_FLIGHT: list = []
 
@@ -106,6 +106,7 @@ class _AddOnWait:
         for own, received in self.sums:
             own.add_(received)
         self.sums = []
+        _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()]  # (they held the buffers past the step)
         return True
 
     def is_completed(self) -> bool:

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "finished_sends_kept_past_the_wait": Mutation(
+        "shardtensor/_comm_rows.py", "wait",
+        "        _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()]  # (they held the buffers past the step)",
+        "        pass",
+        ("tests/test_units.py::test_no_send_of_a_finished_reduction_is_kept_past_the_backward",)),
     "wrapper_load_keys_unchecked": Mutation(
         "shardtensor/_agreement.py", "agree_on_load",
         "        if caller is not None and (caller is module or prefix):  # a wrapper's load: its keys too",

@@ -613,3 +613,19 @@ def test_micro_batches_under_gradient_sync_off_reduce_nothing(mode):
     """A gather unit reduce-scattered zeros after each of them (every gradient was kept whole by GradSync)."""
     for out in run_on_ranks(2, no_sync_reductions_case, mode):
         assert out["while_off"] == 0 and out["after"] > 0 and out["off"] < 1e-12, out
+
+
+def sends_kept_after_a_step_case() -> int:
+    """The reduce-scatter by sends keeps each send and receive referenced until it completes: once waited for,
+    none may stay (they hold the gradient buffers and the scratch: +20 MiB of peak on the benchmark GPT)."""
+    import shardtensor
+    from shardtensor import _comm_rows
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)))
+    model(torch.randn(3, 256)).square().mean().backward()
+    return len(_comm_rows._IN_FLIGHT)
+
+
+def test_no_send_of_a_finished_reduction_is_kept_past_the_backward():
+    assert run_on_ranks(2, sends_kept_after_a_step_case) == [0, 0]

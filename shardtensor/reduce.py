@@ -380,7 +380,7 @@ class GradSync:
     # reducing every micro-batch (up to summation order).
     def _defer(self, key: str, grad: torch.Tensor, owner=None) -> torch.Tensor:
         kept = self._deferred.get(key)
-        if kept is None:
+        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None):
             self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
         else:
             kept.add_(grad)

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "deferral_adds_onto_a_discarded_buffer": Mutation(
+        "shardtensor/reduce.py", "_defer",
+        "        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None):",
+        "        if kept is None:",
+        ("tests/test_sync_habits.py::test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones",)),
     "finished_sends_kept_past_the_wait": Mutation(
         "shardtensor/_comm_rows.py", "wait",
         "        _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()]  # (they held the buffers past the step)",

@@ -261,7 +261,7 @@ class UnitSet:
             handles.append(module.register_forward_pre_hook(_misuse.PickleRefusingHook(self._pre_forward(unit)),
                                                             with_kwargs=True))
             handles.append(module.register_forward_hook(_misuse.PickleRefusingHook(self._post_forward(unit)),
-                                                        always_call=True))
+                                                        always_call=True, with_kwargs=True))
 
     def take_grad(self, param: ShardedParam, grad: torch.Tensor, owned: bool = False) -> Optional[torch.Tensor]:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to
@@ -297,14 +297,14 @@ class UnitSet:
         return hook
 
     def _post_forward(self, unit: _Unit):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if torch.compiler.is_compiling():
                 return None
             unit.gives = self._next_overlapped(unit, +1) is not None
             unit.unhold()
             unit.gives = False
             if unit.routes_by_data and torch.is_grad_enabled():  # [Note: a unit's output that needs no gradient ...]
-                tied = tie_if_another_rank_needs(unit, args, output, unit.params[0]._layout.group)
+                tied = tie_if_another_rank_needs(unit, (*args, *kwargs.values()), output, unit.params[0]._layout.group)
                 output = output if tied is None else tied
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():

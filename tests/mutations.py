@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "moe_keyword_inputs_not_tied": Mutation(
+        "shardtensor/_units.py", "_post_forward",
+        "tie_if_another_rank_needs(unit, (*args, *kwargs.values()), output,",
+        "tie_if_another_rank_needs(unit, args, output,",
+        ("tests/test_units.py::test_a_rank_whose_tokens_reach_no_expert",)),
     "deferral_adds_onto_a_discarded_buffer": Mutation(
         "shardtensor/reduce.py", "_defer",
         "        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None):",

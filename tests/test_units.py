@@ -41,8 +41,11 @@ class Block(nn.Module):
         self.proj = nn.Linear(dim, dim, dtype=torch.float64)
         self.moe = MoE(dim)
 
+    keywords = False  # call the MoE layer with keyword arguments
+
     def forward(self, x, route):
-        return x + self.moe(self.proj(x).tanh(), route)
+        h = self.proj(x).tanh()
+        return x + (self.moe(x=h, route=route) if self.keywords else self.moe(h, route))
 
 
 class Net(nn.Module):
@@ -145,24 +148,29 @@ def test_expert_loop_trains_like_the_unsharded_model(mode, routes, model_kind):
         assert diffs[worst] < 1e-9, f"rank {rank}: {worst} differs by {diffs[worst]:.3g}"
 
 
-def no_expert_case(mode: str, routes: tuple) -> dict:
+def no_expert_case(mode: str, routes: tuple, keywords: bool = False) -> dict:
     """``train_and_compare`` on the embedded net, or the ``DivergenceError`` a rank raised."""
     import shardtensor
 
+    Block.keywords = keywords
     try:
         return {"diffs": train_and_compare(mode, routes, "embedded")}
     except shardtensor.DivergenceError as exc:
         return {"error": str(exc)}
+    finally:
+        Block.keywords = False  # (a pooled rank process runs other tests next)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_rank_whose_tokens_reach_no_expert(mode):
+@pytest.mark.parametrize("mode,keywords", [(m, False) for m in MODES] + [("sequential", True)])
+def test_a_rank_whose_tokens_reach_no_expert(mode, keywords):
     # Every token of rank 1 dropped (capacity, or an empty batch): its MoE output is zeros_like(x), which needs no
     # gradient.  Overlapped mode (the block, with its residual, is the unit) trains like the unsharded model, and
     # so does sequential mode (the MoE layer is the unit), where it was a DivergenceError: that rank never began
     # the unit's backward; it asks the others now and ties its output to its inputs (see [Note: a unit's output
     # that needs no gradient on one rank]).
-    for rank, out in enumerate(run_on_ranks(2, no_expert_case, mode, [(0, 1, 2, 0), (-1, -1, -1, -1)], timeout=120)):
+    # Its input passed as a keyword (moe(x=h, route=route)) is tied too.
+    for rank, out in enumerate(run_on_ranks(2, no_expert_case, mode, [(0, 1, 2, 0), (-1, -1, -1, -1)], keywords,
+                                            timeout=120)):
         assert "diffs" in out, (rank, out)
         worst = max(out["diffs"], key=out["diffs"].get)
         assert out["diffs"][worst] < 1e-9, f"rank {rank}: {worst} differs by {out['diffs'][worst]:.3g}"

@@ -17,7 +17,6 @@ again.
 from __future__ import annotations
 
 import hashlib
-import sys
 import weakref
 from typing import Optional
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from . import _comm
+from ._frames import caller_frame
 
 _AGREED: dict[int, "weakref.ref"] = {}  # tensors a load_state_dict pre-hook has checked, until its post-hook
 
@@ -209,14 +209,12 @@ def _strict_load_caller(module) -> tuple:
     itself, or a wrapper around it), or ``(None, None)``: torch hands every module's load ``strict=True``, a
     child only its own keys, and applies the caller's ``strict`` at the end, so both are read from the nearest
     ``load_state_dict`` frame (none found: torch decides, as before)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is nn.Module.load_state_dict.__code__:
-            caller, given = frame.f_locals.get("self"), frame.f_locals.get("state_dict")
-            if frame.f_locals.get("strict", True) and isinstance(caller, nn.Module) and isinstance(given, dict):
-                return caller, given
-            return None, None
-        frame = frame.f_back
+    frame = caller_frame(lambda f: f.f_code is nn.Module.load_state_dict.__code__)
+    if frame is None:
+        return None, None
+    caller, given = frame.f_locals.get("self"), frame.f_locals.get("state_dict")
+    if frame.f_locals.get("strict", True) and isinstance(caller, nn.Module) and isinstance(given, dict):
+        return caller, given
     return None, None
 
 

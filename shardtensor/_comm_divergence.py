@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import sys
 import time
 import zlib
 from typing import Optional
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ._comm_work import CollectiveError
+from ._frames import inside
 
 
 _FIELDS = 7  # seq, kind, label crc, numel, dtype, optimizer steps and their settings (see [Note: optimizer steps
@@ -353,7 +353,7 @@ def _raise_divergence(records: list, text: str, group, pos: _Position, all_gathe
         f"shardtensor rank {ranks[me]}: ranks diverged at collective #{pos.seq} on group {pos.tag}: rank "
         f"{ranks[me]} is about to run {texts[me]!r} but rank {ranks[first]} runs {texts[first]!r}; no data was "
         f"exchanged.\n" + "\n".join(lines) + f"\n{_REPLICATED_FIX if any(_REPLICATED in t for t in texts) else _FIX}"
-        + (_GENERATE_FIX if _inside_generate() else "")
+        + (_GENERATE_FIX if inside("generate", "transformers") else "")
     )
 
 
@@ -361,17 +361,6 @@ def _raise_divergence(records: list, text: str, group, pos: _Position, all_gathe
 # DeepSpeed ZeRO-3 and FSDP users pass ``synced_gpus=True`` (a finished rank runs dummy forwards until all end).
 _GENERATE_FIX = (" In transformers' generate(): each rank stops at its own end of sequence. Fix: "
                  "model.generate(..., synced_gpus=True), as with DeepSpeed ZeRO-3 and FSDP.")
-
-
-def _inside_generate() -> bool:
-    """Whether a ``generate`` of transformers' is on this rank's stack (read only when raising)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "generate" and "transformers" in code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
 
 
 # A replicated gradient averaged when its hook fires (not in the end-of-backward reduction, which takes every

@@ -11,9 +11,9 @@ each rank's rows).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
+from ._frames import caller_frame, inside
 from .tensor import ShardedParam
 
 _HELPERS = {"_get_model_state_dict", "_get_optim_state_dict"}
@@ -22,15 +22,12 @@ _HELPERS_MODULE = "torch.distributed.checkpoint.state_dict"
 
 def _full_state_options() -> Optional[Any]:
     """The options of the torch helper this ``state_dict()`` runs under, if it asked for full tensors."""
-    frame = sys._getframe(2)
-    for _ in range(24):
-        if frame is None:
-            return None
-        if frame.f_code.co_name in _HELPERS and frame.f_globals.get("__name__") == _HELPERS_MODULE:
-            info = frame.f_locals.get("info")
-            return info if getattr(info, "full_state_dict", False) else None
-        frame = frame.f_back
-    return None
+    frame = caller_frame(lambda f: f.f_code.co_name in _HELPERS and f.f_globals.get("__name__") == _HELPERS_MODULE,
+                         limit=24)
+    if frame is None:
+        return None
+    info = frame.f_locals.get("info")
+    return info if getattr(info, "full_state_dict", False) else None
 
 
 def _full(value: Any, cpu: bool) -> Any:
@@ -42,18 +39,6 @@ def _full(value: Any, cpu: bool) -> Any:
     return value
 
 
-def _inside_save_pretrained() -> bool:
-    """Whether transformers' ``save_pretrained`` asks for this state dict (it does only without ``state_dict=``)."""
-    frame = sys._getframe(2)
-    for _ in range(24):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "save_pretrained" and "transformers" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def full_model_state_for_torch_helpers(module, state_dict: dict, prefix: str, local_metadata) -> None:
     """A sharded root's state-dict post-hook (see the module docstring).  Also names the fix where transformers'
     ``save_pretrained`` reads the state dict itself: it failed inside safetensors ("data pointer on an invalid
@@ -62,7 +47,7 @@ def full_model_state_for_torch_helpers(module, state_dict: dict, prefix: str, lo
     if info is not None:
         for key in [k for k, v in state_dict.items() if isinstance(v, ShardedParam)]:
             state_dict[key] = _full(state_dict[key], bool(info.cpu_offload))
-    elif any(isinstance(v, ShardedParam) for v in state_dict.values()) and _inside_save_pretrained():
+    elif any(isinstance(v, ShardedParam) for v in state_dict.values()) and inside("save_pretrained", "transformers"):
         raise RuntimeError(
             f"save_pretrained of a sharded {type(module).__name__}: its state_dict() holds each rank's rows, not "
             "the full tensors, and gathering them needs every rank. No weights were written. Fix: on every rank "

@@ -114,7 +114,7 @@ MUTATIONS = {
         ("tests/test_units.py::test_a_layer_only_unsynced_micro_batches_use_beside_per_rank_gains_trains_like_the_unsharded_model",)),
     "save_pretrained_reads_shards": Mutation(
         "shardtensor/_torch_state_dict.py", "full_model_state_for_torch_helpers",
-        "    elif any(isinstance(v, ShardedParam) for v in state_dict.values()) and _inside_save_pretrained():",
+        "    elif any(isinstance(v, ShardedParam) for v in state_dict.values()) and inside(\"save_pretrained\", \"transformers\"):",
         "    elif False:",
         ("tests/test_save_pretrained.py::test_save_pretrained_without_the_full_state_dict_names_the_recipe",)),
     "strict_load_keys_left_to_torch": Mutation(
@@ -128,8 +128,8 @@ MUTATIONS = {
         ("tests/test_load_keys.py::test_a_strict_load_torch_would_refuse_changes_nothing_on_any_rank",)),
     "non_strict_load_taken_for_strict": Mutation(
         "shardtensor/_agreement.py", "_strict_load_caller",
-        '            if frame.f_locals.get("strict", True) and isinstance(caller, nn.Module) and isinstance(given, dict):',
-        '            if isinstance(caller, nn.Module) and isinstance(given, dict):',
+        '    if frame.f_locals.get("strict", True) and isinstance(caller, nn.Module) and isinstance(given, dict):',
+        '    if isinstance(caller, nn.Module) and isinstance(given, dict):',
         ("tests/test_load_keys.py::test_a_non_strict_load_with_missing_keys_loads_the_rest_as_torch_does",)),
     "reduce_by_sends_drops_what_it_receives": Mutation(
         "shardtensor/_comm_rows.py", "wait",
@@ -142,11 +142,11 @@ MUTATIONS = {
         ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",)),
     "generate_divergence_without_synced_gpus_fix": Mutation(
         "shardtensor/_comm_divergence.py", "_raise_divergence",
-        '        + (_GENERATE_FIX if _inside_generate() else "")', '        + ""',
+        '        + (_GENERATE_FIX if inside("generate", "transformers") else "")', '        + ""',
         ("tests/test_generate.py::test_generate_with_different_lengths_per_rank_names_synced_gpus",)),
     "parametrization_after_sharding_unnamed": Mutation(
         "shardtensor/_dispatch/refusals.py", "_refuse",
-        "    if _inside_register_parametrization():", "    if False:",
+        "    if inside(\"register_parametrization\", \"parametrize.py\"):", "    if False:",
         ("tests/test_parametrizations.py::test_parametrizations_applied_after_shard_module_are_named_with_the_fix",)),
     "view_rules_inside_inference_mode": Mutation(
         "shardtensor/_dispatch/__init__.py", "dispatch_op",
@@ -177,7 +177,7 @@ MUTATIONS = {
          "warning",)),
     "torch_full_state_dict_gives_rows": Mutation(
         "shardtensor/_torch_state_dict.py", "_full_state_options",
-        "            return info if getattr(info, \"full_state_dict\", False) else None", "            return None",
+        "    return info if getattr(info, \"full_state_dict\", False) else None", "    return None",
         ("tests/test_dcp_state_dict.py::test_torchs_full_state_dict_export_gives_full_tensors",)),
     "speculation_on_rewritten_gradients": Mutation(
         "optim/cpu_adam.py", "_paused",

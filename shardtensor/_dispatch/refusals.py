@@ -6,11 +6,11 @@ library exists to avoid.  Every rule that meets a write it cannot do shard-wise 
 
 from __future__ import annotations
 
-import sys
 from typing import NoReturn
 
 import torch
 
+from .._frames import inside
 from ..tensor import ShardedParam
 from ._common import OpFamily, ShardedOpError, _leaves, _params_in, _written_params, aten, implements
 
@@ -21,23 +21,10 @@ def _describe(func, args, kwargs) -> str:
     return f"{func} with tensor arguments {kinds}"
 
 
-def _inside_register_parametrization() -> bool:
-    """Whether torch's ``register_parametrization`` is on the stack: ``orthogonal(model.fc)`` after shard_module
-    runs its ``right_inverse`` on the sharded weight, whose writes (into ``zeros_like(weight).diagonal()``) land
-    here, and the cause is the parametrization, not the op.  Read only when refusing."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "register_parametrization" and code.co_filename.endswith("parametrize.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _refuse(func, args, kwargs, why: str) -> NoReturn:
     written = _written_params(func, args, kwargs)
     names = ", ".join(repr(p._name or tuple(p.shape)) for p in written)
-    if _inside_register_parametrization():
+    if inside("register_parametrization", "parametrize.py"):  # orthogonal(layer) after shard_module
         raise ShardedOpError(
             f"a parametrization registered after shard_module (torch.nn.utils.parametrize.register_parametrization, "
             f"parametrizations.orthogonal / weight_norm / spectral_norm) runs on the sharded parameter {names}: "

@@ -16,6 +16,7 @@ unit has no input that needs a gradient cannot be tied: that case stays a named 
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 class PostBackward(torch.autograd.Function):
@@ -49,11 +50,9 @@ class TieToInputs(torch.autograd.Function):
 def tie_if_another_rank_needs(unit, args: tuple, output, group):
     """The unit's output, tied to its inputs where it needs no gradient here but does on another rank (see the
     note above); ``None``: keep it as it is."""
-    from torch.utils._pytree import tree_map
+    from ._agreement import any_rank  # (imported here: _agreement imports the comm layer, this module is a leaf)
 
-    from ._agreement import any_rank
-
-    mine = any(isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(output))
+    mine = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
     if not any_rank(mine, group, f"whether any rank needs the backward of unit {unit.name!r}") or mine:
         return None
     inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -62,8 +61,3 @@ def tie_if_another_rank_needs(unit, args: tuple, output, group):
     return tree_map(lambda t: TieToInputs.apply(t, *inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()
                     else t, output)
 
-
-def _leaves(output) -> list:
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(output)

@@ -150,29 +150,10 @@ def _will_accumulate(param) -> bool:
         raise
 
 
-
-class DeferralWatch:
-    """Whether ``opt.zero_grad()`` / ``model.zero_grad()`` ran since a parameter's gradient was deferred (kept aside
-    by ``gradient_sync(model, False)`` / ``no_sync``): DDP's ``zero_grad`` throws away what ``no_sync`` accumulated
-    in ``.grad`` (an epoch's last incomplete accumulation, a skipped NaN batch), and the deferred gradient was added
-    to the next synced step, silently.  A deferring hook notes what AccumulateGrad will hold: the zero it hands
-    over (a new tensor, version 0, where ``.grad`` was None) or ``.grad`` one in-place add later.  ``.grad`` None
-    since (``set_to_none``, the default) or written since (``zero_()``, ``set_to_none=False``) means thrown away;
-    another tensor in place of the one seen cannot be told, and the deferral is kept."""
-
-    def __init__(self):
-        self._seen: dict = {}  # key -> (weakref to the tensor in .grad after AccumulateGrad, its version then)
-
-    def handed(self, key: str, param, handed: torch.Tensor) -> torch.Tensor:
-        grad = None if param is None else param.grad
-        self._seen[key] = (None, 0) if grad is None else (weakref.ref(grad), grad._version + 1)  # (None: a new one)
-        return handed
-
-    def discarded(self, key: str, param, forget: bool = False) -> bool:
-        seen = self._seen.pop(key, None) if forget else self._seen.get(key)
-        if param is None:
-            return False
-        grad = param.grad
-        if grad is None:
-            return True
-        return seen is not None and (seen[0] is None or grad is seen[0]()) and grad._version != seen[1]
+def discarded_by_zero_grad(param) -> bool:
+    """Whether ``opt.zero_grad()`` / ``model.zero_grad()`` (``set_to_none``, their default) ran since ``param``'s
+    gradient was deferred: a deferring backward leaves ``.grad`` set (a zero placeholder), so ``None`` now means
+    the accumulation was thrown away, as DDP's ``zero_grad`` throws away what ``no_sync`` accumulated in ``.grad``
+    (an epoch's last incomplete accumulation, a skipped NaN batch).  The deferred gradient was added to the next
+    synced step, silently."""
+    return param is not None and param.grad is None

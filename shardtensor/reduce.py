@@ -166,7 +166,6 @@ class GradSync:
         self._replicated_params: dict[int, tuple] = {}  # id -> (parameter, group, name), in registration order
         self._finish_queued_for = None  # the backward (graph task) whose end-of-backward callback is queued
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
-        self._watch = _grad_landing.DeferralWatch()  # whether zero_grad() threw a deferred gradient away
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
         self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable
 
@@ -244,7 +243,7 @@ class GradSync:
             grad = grad.detach()
             if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
                 self._defer(key, grad, (param, layout))
-                return self._watch.handed(key, param, _grad_landing.zero_placeholder(param, grad))
+                return _grad_landing.zero_placeholder(param, grad)
             summed = self._with_deferred(key, grad, param)
             owned, grad = owned or summed is not grad, summed
             if self._replicated_params:
@@ -272,8 +271,7 @@ class GradSync:
                 return grad
             key = f"replicated:{id(hook)}"
             if not self.enabled:  # nothing is reduced at this backward's end (gradient_sync off)
-                kept = self._defer(key, grad.detach(), None if param is None else (param, group))
-                return self._watch.handed(key, param, torch.zeros_like(kept))
+                return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))
             self._queue_finish_once()
             grad = self._with_deferred(key, grad.detach(), param).clone()
             if param is not None and not _read_by_user_hooks(param):
@@ -343,7 +341,7 @@ class GradSync:
         for key in [k for k in self._deferred if k.startswith("replicated:") and k in owners]:
             param = owners.pop(key)[0]
             kept = self._deferred.pop(key)
-            if self._watch.discarded(key, param, forget=True):
+            if _grad_landing.discarded_by_zero_grad(param):
                 continue
             if id(param) in later:
                 later[id(param)].add_(kept)
@@ -375,13 +373,14 @@ class GradSync:
                 param.grad.add_(mean)
 
     # [Note: deferred gradient sync]
-    # ``gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the full local
-    # gradient into a side buffer (``_deferred``, one full tensor per parameter) and hands AccumulateGrad a zero
-    # shard; the next synced backward adds the buffer to its gradient and reduces once (the sum of the means).
-    # A ``zero_grad()`` in between throws the buffer away (``_grad_landing.DeferralWatch``).
+    # ``shardtensor.gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the
+    # full local gradient into a side buffer (``_deferred``, one full tensor per parameter: the memory traded
+    # for communication) and hands AccumulateGrad a zero shard; the next synced backward adds the buffer to its
+    # gradient and reduces once.  The mean of the summed gradients is the sum of the means, so the result equals
+    # reducing every micro-batch (up to summation order).
     def _defer(self, key: str, grad: torch.Tensor, owner=None) -> torch.Tensor:
         kept = self._deferred.get(key)
-        if kept is None or self._watch.discarded(key, owner[0] if owner else None):
+        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None):
             self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
         else:
             kept.add_(grad)
@@ -390,7 +389,7 @@ class GradSync:
 
     def _with_deferred(self, key: str, grad: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:
         kept = self._deferred.pop(key, None) if self._deferred else None
-        kept = None if self._watch.discarded(key, param, forget=True) else kept  # zero_grad() since: thrown away
+        kept = None if _grad_landing.discarded_by_zero_grad(param) else kept  # zero_grad() since: thrown away
         if self._deferred:  # parameters this backward does not reach are reduced at its end (finish_pending)
             self._queue_finish_once()
         return grad if kept is None else kept.add_(grad)
@@ -398,3 +397,4 @@ class GradSync:
     def deferred_bytes(self) -> int:
         """Bytes of full local gradients waiting for the next synced backward."""
         return sum(t.numel() * t.element_size() for t in self._deferred.values())
+

@@ -28,11 +28,6 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
-    "zero_grad_in_place_keeps_deferred_gradients": Mutation(
-        "shardtensor/_grad_landing.py", "discarded",
-        "        return seen is not None and (seen[0] is None or grad is seen[0]()) and grad._version != seen[1]",
-        "        return False",
-        ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "moe_keyword_inputs_not_tied": Mutation(
         "shardtensor/_units.py", "_post_forward",
         "tie_if_another_rank_needs(unit, (*args, *kwargs.values()), output,",
@@ -40,7 +35,7 @@ MUTATIONS = {
         ("tests/test_units.py::test_a_rank_whose_tokens_reach_no_expert",)),
     "deferral_adds_onto_a_discarded_buffer": Mutation(
         "shardtensor/reduce.py", "_defer",
-        "        if kept is None or self._watch.discarded(key, owner[0] if owner else None):",
+        "        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None):",
         "        if kept is None:",
         ("tests/test_sync_habits.py::test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones",)),
     "finished_sends_kept_past_the_wait": Mutation(
@@ -64,8 +59,8 @@ MUTATIONS = {
         "    pass",
         ("tests/test_gather.py::test_a_failed_backward_leaves_no_half_reduced_gradients",)),
     "zero_grad_keeps_deferred_gradients": Mutation(
-        "shardtensor/_grad_landing.py", "discarded",
-        "        if grad is None:\n            return True", "        if grad is None:\n            return False",
+        "shardtensor/_grad_landing.py", "discarded_by_zero_grad",
+        "    return param is not None and param.grad is None", "    return False",
         ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "unit_output_without_gradient_never_tied": Mutation(
         "shardtensor/_units.py", "_post_forward",

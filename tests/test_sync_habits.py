@@ -148,3 +148,33 @@ def test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones(mod
     """The next deferral added onto the discarded buffer (helper X): micro-batch 1 landed in the step."""
     for diff in run_on_ranks(2, zero_grad_between_deferred_case, mode):
         assert diff < 1e-12, diff
+
+
+def clip_between_micro_batches_case(mode: str) -> float:
+    """``clip_grad_norm_`` (per parameter, a no-op bound) after each ``no_sync`` micro-batch, as some loops do:
+    the deferred gradients must survive it (a version check taken for a sign of zero_grad dropped them: 4.0 off)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(_GainBlock(), nn.Linear(8, 2)).double()
+
+    plain, model = build(), shardtensor.shard_module(build(), gather=mode)
+    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
+           for r in range(world)] for m in range(2)]
+    with model.no_sync():
+        model(xs[0][rank]).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6, foreach=False)
+    model(xs[1][rank]).sum().backward()
+    for m in range(2):
+        for x in xs[m]:
+            (plain(x).sum() / world).backward()
+    grads = dict(model.named_parameters())
+    return max(((grads[n].grad.full_tensor() if isinstance(grads[n], shardtensor.ShardedParam) else grads[n].grad)
+                - p.grad).abs().max().item() for n, p in plain.named_parameters())
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_a_clip_between_no_sync_micro_batches_keeps_their_gradients(mode):
+    for diff in run_on_ranks(2, clip_between_micro_batches_case, mode):
+        assert diff < 1e-12, diff

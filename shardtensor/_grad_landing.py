@@ -23,10 +23,13 @@ the landing and the guard still swallows the placeholder's call.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Callable, Optional
 
 import torch
+
+from . import _frames
 
 # id(placeholder) -> a weak reference to it.  Weak, so that AccumulateGrad can take the placeholder itself as
 # ``.grad`` (it steals a gradient nobody else references; held here, it was cloned: an allocation, a copy and two
@@ -150,10 +153,63 @@ def _will_accumulate(param) -> bool:
         raise
 
 
-def discarded_by_zero_grad(param) -> bool:
-    """Whether ``opt.zero_grad()`` / ``model.zero_grad()`` (``set_to_none``, their default) ran since ``param``'s
-    gradient was deferred: a deferring backward leaves ``.grad`` set (a zero placeholder), so ``None`` now means
-    the accumulation was thrown away, as DDP's ``zero_grad`` throws away what ``no_sync`` accumulated in ``.grad``
-    (an epoch's last incomplete accumulation, a skipped NaN batch).  The deferred gradient was added to the next
-    synced step, silently."""
-    return param is not None and param.grad is None
+# [Note: zero_grad throws deferred gradients away]
+# ``opt.zero_grad()`` / ``model.zero_grad()`` after ``no_sync`` micro-batches (an epoch's last incomplete
+# accumulation, a skipped NaN batch) must throw the deferred gradients away, as DDP's drops what ``no_sync``
+# accumulated in ``.grad``; kept aside, they were added to the next synced step, silently.  A deferring backward
+# leaves ``.grad`` set (a zero placeholder), so ``None`` means ``set_to_none`` (the default) ran.  With
+# ``set_to_none=False`` the zeroed ``.grad`` looks like the placeholder, and its version moves for other writes
+# too (a per-parameter ``clip_grad_norm_`` between micro-batches: taking that for zero_grad dropped gradients), so
+# the op itself is watched: ``zero_`` / ``_foreach_zero_`` of a shard stamps the tensor (``note_zeroed``), and a
+# deferral older than its ``.grad``'s stamp is thrown away.  A kept-whole parameter's ``.grad`` is a plain tensor
+# the op table never sees: inside ``Module.zero_grad`` / ``Optimizer.zero_grad`` the first zeroed shard stamps
+# the plain gradients of that call's module or optimizer too.
+_clock = itertools.count(1)
+_ZEROED_AT = "_shardtensor_zeroed_at"
+_last_deferral = [0]
+_stamped_owners: dict[int, tuple] = {}  # id(module or optimizer) -> (weak reference, stamp of its last zero_grad)
+
+
+def deferral_stamp() -> int:
+    """A time for a deferral: a zeroing stamped later threw it away."""
+    _last_deferral[0] = next(_clock)
+    return _last_deferral[0]
+
+
+def note_zeroed(tensors) -> None:
+    """``zero_`` / ``_foreach_zero_`` wrote zeros into ``tensors`` (see [Note: zero_grad throws deferred ...])."""
+    stamp = next(_clock)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            setattr(tensor, _ZEROED_AT, stamp)
+    if not _last_deferral[0]:  # nothing was ever deferred: no frame walk
+        return
+    call = _frames.caller_frame(_is_zero_grad, limit=12)
+    owner = call.f_locals.get("self") if call is not None else None
+    if isinstance(owner, torch.nn.Module):
+        params = owner.parameters()
+    elif isinstance(owner, torch.optim.Optimizer):
+        params = (p for group in owner.param_groups for p in group["params"])
+    else:
+        return
+    seen = _stamped_owners.get(id(owner))
+    if seen is not None and seen[0]() is owner and seen[1] > _last_deferral[0]:
+        return  # this zero_grad call (or one with no deferral since) stamped them
+    _stamped_owners[id(owner)] = (weakref.ref(owner), stamp)
+    for param in params:
+        if param.grad is not None:
+            setattr(param.grad, _ZEROED_AT, stamp)
+
+
+def _is_zero_grad(frame) -> bool:
+    code = frame.f_code
+    return code.co_name == "zero_grad" and (code.co_filename.endswith(("nn/modules/module.py", "optim/optimizer.py")))
+
+
+def discarded_by_zero_grad(param, since: int = 0) -> bool:
+    """Whether ``opt.zero_grad()`` / ``model.zero_grad()`` ran since ``param``'s gradient was deferred (at the
+    stamp ``since``): then the deferred gradient is thrown away (see [Note: zero_grad throws deferred ...])."""
+    if param is None:
+        return False
+    grad = param.grad
+    return grad is None or getattr(grad, _ZEROED_AT, 0) > since

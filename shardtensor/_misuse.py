@@ -163,7 +163,7 @@ def flush_deferred(grad_sync) -> None:
     for key in [k for k in grad_sync._deferred if k in owners and isinstance(owners[k][1], ShardLayout)]:
         kept = grad_sync._deferred.pop(key)  # (replicated ones: averaged in GradSync's flat all-reduce)
         param, where = owners.pop(key)
-        if _grad_landing.discarded_by_zero_grad(param):  # zero_grad() threw the accumulation away
+        if _grad_landing.discarded_by_zero_grad(param, grad_sync.deferred_at(key)):  # zero_grad() threw it away
             continue
         shard = grad_sync.strategy.reduce_grad(kept, where, key=key, dtype=param.dtype, owned=True, overlap=False)
         grad = ShardedParam(_grad_landing.run_tensor_hooks(param, shard.to(param.dtype)), where, name=key)

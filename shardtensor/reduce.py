@@ -28,6 +28,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from . import _comm, _grad_landing, _misuse
+from ._deferred_grads import DeferredGradients
 from ._layout import ShardLayout
 from .tensor import ShardedParam
 
@@ -149,7 +150,7 @@ def _read_by_user_hooks(param: torch.Tensor) -> bool:
     return bool(getattr(param, "_post_accumulate_grad_hooks", None)) or len(param._backward_hooks or ()) > 1
 
 
-class GradSync:
+class GradSync(DeferredGradients):
     """Per-module switch and reducer shared by the gradient hooks of one ``shard_module`` call."""
 
     def __init__(self, reducer: GradientReducer, grad_dtype: Optional[torch.dtype] = None,
@@ -166,6 +167,7 @@ class GradSync:
         self._replicated_params: dict[int, tuple] = {}  # id -> (parameter, group, name), in registration order
         self._finish_queued_for = None  # the backward (graph task) whose end-of-backward callback is queued
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
+        self._deferred_at: dict[str, int] = {}  # key -> its last deferral's stamp (zero_grad since throws it away)
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
         self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable
 
@@ -334,20 +336,6 @@ class GradSync:
         for group, params in buckets.values():
             self._average_replicated(group, params, reached, later)
 
-    def _take_unreached_deferred(self, later: dict) -> None:
-        """Move the replicated gradients kept while ``gradient_sync`` was off, that this backward did not reach,
-        into ``later``: averaged in the flat all-reduce, not one by one in an order that depends on the data."""
-        owners = self.__dict__.get("_deferred_owner", {})
-        for key in [k for k in self._deferred if k.startswith("replicated:") and k in owners]:
-            param = owners.pop(key)[0]
-            kept = self._deferred.pop(key)
-            if _grad_landing.discarded_by_zero_grad(param):
-                continue
-            if id(param) in later:
-                later[id(param)].add_(kept)
-            else:
-                later[id(param)] = kept
-
     @torch.no_grad()
     def _average_replicated(self, group, params: list, reached: set, later: dict) -> None:
         sizes = [param.numel() for param, _ in params]
@@ -371,30 +359,3 @@ class GradSync:
                 param.grad = mean.clone()
             else:
                 param.grad.add_(mean)
-
-    # [Note: deferred gradient sync]
-    # ``shardtensor.gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the
-    # full local gradient into a side buffer (``_deferred``, one full tensor per parameter: the memory traded
-    # for communication) and hands AccumulateGrad a zero shard; the next synced backward adds the buffer to its
-    # gradient and reduces once.  The mean of the summed gradients is the sum of the means, so the result equals
-    # reducing every micro-batch (up to summation order).
-    def _defer(self, key: str, grad: torch.Tensor, owner=None) -> torch.Tensor:
-        kept = self._deferred.get(key)
-        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None):
-            self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
-        else:
-            kept.add_(grad)
-        _misuse.note_deferred(self, key, owner)  # opt.step() refuses to run while this is deferred
-        return grad
-
-    def _with_deferred(self, key: str, grad: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:
-        kept = self._deferred.pop(key, None) if self._deferred else None
-        kept = None if _grad_landing.discarded_by_zero_grad(param) else kept  # zero_grad() since: thrown away
-        if self._deferred:  # parameters this backward does not reach are reduced at its end (finish_pending)
-            self._queue_finish_once()
-        return grad if kept is None else kept.add_(grad)
-
-    def deferred_bytes(self) -> int:
-        """Bytes of full local gradients waiting for the next synced backward."""
-        return sum(t.numel() * t.element_size() for t in self._deferred.values())
-

@@ -28,14 +28,24 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "zeros_written_into_a_gradient_not_noted": Mutation(
+        "shardtensor/_dispatch/local.py", "_zero",
+        "    _grad_landing.note_zeroed(args[0] if isinstance(args[0], (list, tuple)) else args[:1])",
+        "    pass",
+        ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
+    "kept_whole_gradients_of_a_zero_grad_not_stamped": Mutation(
+        "shardtensor/_grad_landing.py", "note_zeroed",
+        "    if not _last_deferral[0]:  # nothing was ever deferred: no frame walk",
+        "    if True:",
+        ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "moe_keyword_inputs_not_tied": Mutation(
         "shardtensor/_units.py", "_post_forward",
         "tie_if_another_rank_needs(unit, (*args, *kwargs.values()), output,",
         "tie_if_another_rank_needs(unit, args, output,",
         ("tests/test_units.py::test_a_rank_whose_tokens_reach_no_expert",)),
     "deferral_adds_onto_a_discarded_buffer": Mutation(
-        "shardtensor/reduce.py", "_defer",
-        "        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None):",
+        "shardtensor/_deferred_grads.py", "_defer",
+        "        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None, self.deferred_at(key)):",
         "        if kept is None:",
         ("tests/test_sync_habits.py::test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones",)),
     "finished_sends_kept_past_the_wait": Mutation(
@@ -207,7 +217,7 @@ MUTATIONS = {
         ("tests/test_units.py::test_replicated_parameters_picked_per_rank_in_later_micro_batches_train_like_the_"
          "unsharded_model",)),
     "unreached_deferred_replicated_left": Mutation(
-        "shardtensor/reduce.py", "_take_unreached_deferred",
+        "shardtensor/_deferred_grads.py", "_take_unreached_deferred",
         "        owners = self.__dict__.get(\"_deferred_owner\", {})\n",
         "        return\n",
         ("tests/test_units.py::test_replicated_parameters_picked_per_rank_in_later_micro_batches_train_like_the_"

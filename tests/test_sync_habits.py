@@ -83,11 +83,14 @@ def discarded_accumulation_case(mode: str, units: bool, how: str) -> float:
 
     plain = build()
     model = shardtensor.shard_module(build(), gather=mode, units=[_GainBlock] if units else None)
-    opt, plain_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    foreach = how.endswith("foreach")  # zero_grad(set_to_none=False) of a foreach optimizer: one _foreach_zero_
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=foreach)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     xs = [torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     with model.no_sync():
         model(xs[rank] * 2).sum().backward()
-    (opt.zero_grad if how == "optimizer" else model.zero_grad)()  # set_to_none, their default
+    zero_grad = opt.zero_grad if how.startswith("optimizer") else model.zero_grad
+    zero_grad(set_to_none="keep" not in how)  # None (their default), or zeros written into .grad
     model(xs[rank]).sum().backward()
     opt.step()
     for x in xs:
@@ -98,10 +101,12 @@ def discarded_accumulation_case(mode: str, units: bool, how: str) -> float:
 
 
 @pytest.mark.parametrize("mode", ["sequential", "overlapped"])
-@pytest.mark.parametrize("units,how", [(False, "optimizer"), (True, "optimizer"), (True, "model")])
+@pytest.mark.parametrize("units,how", [(False, "optimizer"), (True, "optimizer"), (True, "model"),
+                                       (False, "optimizer keep"), (True, "model keep"), (True, "optimizer keep foreach")])
 def test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated(mode, units, how):
     """As DDP's zero_grad drops what no_sync accumulated in .grad.  The deferred gradients were kept aside and
-    added to the next synced step, silently (0.4 off after one step)."""
+    added to the next synced step, silently (0.4 off after one step; with ``set_to_none=False`` ("keep") 0.2-0.3,
+    in every row: the sharded weights and the kept-whole gains)."""
     for diff in run_on_ranks(2, discarded_accumulation_case, mode, units, how):
         assert diff < 1e-12, diff
 
@@ -116,7 +121,7 @@ def test_no_sync_called_without_with_changes_nothing_as_ddps():
     assert grad_sync.enabled
 
 
-def zero_grad_between_deferred_case(mode: str) -> float:
+def zero_grad_between_deferred_case(mode: str, set_to_none: bool) -> float:
     """``no_sync`` micro-batch 1, ``zero_grad()``, ``no_sync`` micro-batch 2, synced micro-batch 3: DDP keeps 2 + 3."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
@@ -130,7 +135,7 @@ def zero_grad_between_deferred_case(mode: str) -> float:
            for r in range(world)] for m in range(3)]
     with model.no_sync():
         model(xs[0][rank]).sum().backward()
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=set_to_none)
     with model.no_sync():
         model(xs[1][rank]).sum().backward()
     model(xs[2][rank]).sum().backward()
@@ -144,9 +149,10 @@ def zero_grad_between_deferred_case(mode: str) -> float:
 
 
 @pytest.mark.parametrize("mode", ["sequential", "overlapped"])
-def test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones(mode):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones(mode, set_to_none):
     """The next deferral added onto the discarded buffer (helper X): micro-batch 1 landed in the step."""
-    for diff in run_on_ranks(2, zero_grad_between_deferred_case, mode):
+    for diff in run_on_ranks(2, zero_grad_between_deferred_case, mode, set_to_none):
         assert diff < 1e-12, diff
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _agreement
+from .. import _agreement, _grad_landing
 from .._full import gather_full
 from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
@@ -31,7 +31,7 @@ from . import traced
 POINTWISE = OpFamily("pointwise", lambda func: torch.Tag.pointwise in func.tags)
 FOREACH = OpFamily("foreach", lambda func: func.overloadpacket.__name__.startswith("_foreach_"))
 EXTRA_LOCAL_OPS = [  # not tagged pointwise, but element-wise on a shard all the same
-    aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zeros_like.default, aten.ones_like.default,
+    aten.fill_.Scalar, aten.fill_.Tensor, aten.zeros_like.default, aten.ones_like.default,
     aten.empty_like.default, aten.full_like.default, aten._to_copy.default, aten.clone.default,
     # in-place forms whose out-of-place twin is tagged pointwise, but not themselves (torch 2.13)
     aten.abs_.default, aten.absolute_.default, aten.fix_.default, aten.mish_.default, aten.xlogy_.Scalar_Other,
@@ -159,6 +159,15 @@ def _local(func, args, kwargs):
             return args[0]
         _refuse(func, args, kwargs, "its operands are not shards of one layout (or include a full plain tensor)")
     return compute(func, args, kwargs)
+
+
+@implements([aten.zero_.default, aten._foreach_zero_.default])
+def _zero(func, args, kwargs):
+    """``p.grad.zero_()``, ``zero_grad(set_to_none=False)``: zeros are noted, since a ``no_sync`` gradient deferred
+    before them is thrown away (see [Note: zero_grad throws deferred gradients away] in _grad_landing.py)."""
+    out = (_foreach_local if func is aten._foreach_zero_.default else _local)(func, args, kwargs)
+    _grad_landing.note_zeroed(args[0] if isinstance(args[0], (list, tuple)) else args[:1])
+    return out
 
 
 def _scalar_operand(x) -> bool:

@@ -25,7 +25,10 @@ def _data_dependent(module: nn.Module) -> bool:
 
 def default_units(root: nn.Module, blocks: bool = True) -> list[nn.Module]:
     """FSDP2's usual wrapping: each member of the outermost ``ModuleList``/``Sequential`` (a block; only with
-    ``blocks``), and any module with an expert list (an MoE layer) that is not already inside a unit."""
+    ``blocks``), and any module with an expert list (an MoE layer) that is not already inside a unit; where blocks
+    were found, the root last, for the parameters no block holds (embeddings, final norm, a tied head), as FSDP2's
+    ``fully_shard(model)`` after its blocks: one gather and one reduction for them, not one per parameter (where
+    they fit in one block's size, ``_leftover_fits``)."""
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
@@ -38,7 +41,20 @@ def default_units(root: nn.Module, blocks: bool = True) -> list[nn.Module]:
                 visit(child)
 
     visit(root)
+    if blocks and root not in found and _leftover_fits(root, [m for m in found if not _data_dependent(m)]):
+        found.append(root)
     return found
+
+
+def _leftover_fits(root: nn.Module, block_units: list[nn.Module]) -> bool:
+    """Whether the root's parameters outside the blocks are no larger than the largest block: held through the
+    forward as one unit, they then cost what one more block does (a model whose blocks are a small part of it,
+    a container of two layers beside attention and embeddings, keeps per-parameter gathers)."""
+    if not block_units:
+        return False
+    inside = {id(p) for m in block_units for p in m.parameters()}
+    leftover = sum(p.numel() for p in root.parameters() if id(p) not in inside)
+    return 0 < leftover <= max(sum(p.numel() for p in m.parameters()) for m in block_units)
 
 
 def select_units(root: nn.Module, policy: UnitPolicy, blocks: bool = True) -> list[nn.Module]:

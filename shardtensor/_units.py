@@ -244,7 +244,7 @@ class UnitSet:
                     params.append(p)
             if not params:
                 continue
-            unit = _Unit(names.get(id(module), type(module).__name__), params, gatherer, grad_sync)
+            unit = _Unit(names.get(id(module)) or type(module).__name__, params, gatherer, grad_sync)  # (root: '')
             unit.pool, unit.in_flight = self.pool, self.in_flight
             unit.routes_by_data = _data_dependent(module)
             for i, p in enumerate(params):

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "root_unit_whatever_its_size": Mutation(
+        "shardtensor/_unit_policy.py", "_leftover_fits",
+        "    return 0 < leftover <= max(sum(p.numel() for p in m.parameters()) for m in block_units)",
+        "    return True",
+        ("tests/test_units.py::test_the_root_is_a_unit_only_where_what_the_blocks_leave_fits_in_one_block",)),
     "zeros_written_into_a_gradient_not_noted": Mutation(
         "shardtensor/_dispatch/local.py", "_zero",
         "    _grad_landing.note_zeroed(args[0] if isinstance(args[0], (list, tuple)) else args[:1])",

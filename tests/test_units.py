@@ -203,8 +203,9 @@ def unit_collectives(units, mode: str = "overlapped") -> dict:
 
 
 def test_default_units_are_the_blocks_and_unused_experts_keep_no_gradient():
+    # The blocks, then the root for what no block holds (the head), as FSDP2's fully_shard(model) after its blocks.
     for out in run_on_ranks(2, unit_collectives, None):
-        assert out == {"unused_grad_is_none": True, "used_grad": True, "units": ["blocks.0", "blocks.1"]}
+        assert out == {"unused_grad_is_none": True, "used_grad": True, "units": ["blocks.0", "blocks.1", "Net"]}
 
 
 def test_sequential_mode_defaults_to_the_data_dependent_units_only():
@@ -212,6 +213,19 @@ def test_sequential_mode_defaults_to_the_data_dependent_units_only():
     # whose members the data picks, need a unit for the right numbers.
     for out in run_on_ranks(2, unit_collectives, None, "sequential"):
         assert out == {"unused_grad_is_none": True, "used_grad": True, "units": ["blocks.0.moe", "blocks.1.moe"]}
+
+
+def test_the_root_is_a_unit_only_where_what_the_blocks_leave_fits_in_one_block():
+    """The root unit is held through the forward: where the blocks are a small part of the model (a container of
+    two layers beside attention and a large embedding) it would hold nearly the whole model, so it is left out."""
+    from shardtensor._unit_policy import default_units
+    from shardtensor.models import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(vocab_size=64, n_embd=16, n_layer=2, n_head=2, block_size=8))
+    assert default_units(gpt) == [*gpt.blocks, gpt]
+    assert default_units(gpt, blocks=False) == []  # sequential mode: no blocks, no root
+    small_blocks = nn.ModuleDict({"emb": nn.Embedding(400, 16), "ff": nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))})
+    assert default_units(small_blocks) == list(small_blocks["ff"])
 
 
 def test_units_can_be_chosen_by_class_or_callable():

@@ -66,7 +66,7 @@ _label: ContextVar[str] = ContextVar("shardtensor_collective_label", default="")
 
 from ._comm_work import (  # noqa: E402,F401 (re-exported)
     _WIRE_DTYPE, CollectiveError, CollectiveResult, _CopyOnWait, _dense, _DoneWork, _reducible, _rows_alias, _WorkList,
-    keep_past_exit)
+    keep_past_exit, track_in_flight)
 # Imported here, after CollectiveError, which DivergenceError subclasses (the module imports it from this one).
 from . import _comm_divergence as _div  # noqa: E402
 from . import _comm_stall as _stall  # noqa: E402
@@ -87,8 +87,7 @@ def set_collective_timeout(seconds: float) -> float:
     """Limit every shardtensor collective (gloo / CPU) to ``seconds``; returns the previous limit.
 
     Why: a rank that dies or skips a step must make the others fail with a named step, not hang.  The default
-    (600 s, or ``$SHARDTENSOR_COLLECTIVE_TIMEOUT``) leaves room for slow first steps; tests use a few seconds.
-    """
+    (600 s, or ``$SHARDTENSOR_COLLECTIVE_TIMEOUT``) leaves room for slow first steps; tests use a few seconds."""
     global _timeout_s
     previous, _timeout_s = _timeout_s, _div.positive_seconds("set_collective_timeout", seconds)
     return previous
@@ -137,7 +136,7 @@ def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str,
 class _TimedWork:
     """A ``Work`` handle whose ``wait`` has a limit and whose errors name the step, the tensor and the rank."""
 
-    __slots__ = ("work", "kind", "shape", "dtype", "group", "label", "seq", "cpu")
+    __slots__ = ("work", "kind", "shape", "dtype", "group", "label", "seq", "cpu", "__weakref__")
 
     def __init__(self, work, kind: str, tensor: torch.Tensor, group, label: str, seq: int):
         self.work = work
@@ -189,6 +188,7 @@ class _TimedWork:
 def _issued(work, kind: str, tensor: torch.Tensor, group, async_op: bool, label: str, seq: int):
     """Wrap ``work`` (issued with ``async_op=True``); wait now, with the limit, unless the caller waits later."""
     timed = _TimedWork(work, kind, tensor, group, label, seq)
+    track_in_flight(timed)  # see [Note: gloo's worker threads at interpreter exit]
     if async_op:
         return timed
     timed.wait()

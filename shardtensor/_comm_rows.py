@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._comm_work import _DoneWork, _rows_alias, _WorkList
+from ._comm_work import P2P_IN_FLIGHT as _IN_FLIGHT, _DoneWork, _rows_alias, _WorkList
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
@@ -88,9 +88,9 @@ def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = N
 # reduction it no longer wants (a failed backward's, at the next forward): a send or receive whose work object
 # is destroyed before it completes breaks the pair's stream, and the next broadcast between the two ranks hung
 # (test_a_failed_backward_leaves_no_half_reduced_gradients).  So every send and receive stays referenced here
-# until it has completed; the list is pruned at each call and each wait.
+# until it has completed (``_IN_FLIGHT``, _comm_work's, which the exit settles too); the list is pruned at each call
+# and each wait.
 _P2P_TAGS = 1 << 30
-_IN_FLIGHT: list = []
 
 
 class _AddOnWait:

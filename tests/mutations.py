@@ -28,6 +28,16 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "exit_does_not_wait_for_works_in_flight": Mutation(
+        "shardtensor/_comm_work.py", "settle_before_exit",
+        "            while not work.is_completed() and time.monotonic() < deadline:",
+        "            while False:",
+        ("tests/test_reliability.py::test_the_exit_waits_for_works_in_flight_and_keeps_past_it_those_that_never_complete",)),
+    "issued_works_not_tracked_for_the_exit": Mutation(
+        "shardtensor/_comm.py", "_issued",
+        "    track_in_flight(timed)  # see [Note: gloo's worker threads at interpreter exit]",
+        "    pass",
+        ("tests/test_reliability.py::test_the_exit_waits_for_works_in_flight_and_keeps_past_it_those_that_never_complete",)),
     "root_unit_whatever_its_size": Mutation(
         "shardtensor/_unit_policy.py", "_leftover_fits",
         "    return 0 < leftover <= max(sum(p.numel() for p in m.parameters()) for m in block_units)",

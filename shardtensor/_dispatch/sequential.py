@@ -57,9 +57,15 @@ def _addmm(func, args, kwargs):
     return out
 
 
+def _mixed_dtype(x, *params) -> bool:
+    return any(p is not None and p.dtype != x.dtype for p in params)
+
+
 @sequential_decomposition(aten.native_layer_norm.default)
 def _layer_norm(func, args, kwargs):
     x, shape, weight, bias, eps = args
+    if _mixed_dtype(x, weight, bias):  # autocast: a low-precision input with fp32 weights keeps fp32 statistics
+        return compute(func, args, kwargs)  # and rounds once only in the fused mixed-dtype kernel
     out, mean, rstd = compute(func, (x, shape, None, None, eps), {})
     compute_with(weight, lambda w: out.mul_(w))
     compute_with(bias, lambda b: out.add_(b))
@@ -69,6 +75,8 @@ def _layer_norm(func, args, kwargs):
 @sequential_decomposition(aten.native_layer_norm_backward.default)
 def _layer_norm_backward(func, args, kwargs):
     grad_out, x, shape, mean, rstd, weight, bias, mask = args
+    if _mixed_dtype(x, weight, bias):
+        return compute(func, args, kwargs)
     grad_x, grad_w, _ = compute(func, (grad_out, x, shape, mean, rstd, weight, None, [mask[0], mask[1], False]), {})
     grad_b = None
     if mask[2]:

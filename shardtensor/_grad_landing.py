@@ -160,10 +160,11 @@ def _will_accumulate(param) -> bool:
 # leaves ``.grad`` set (a zero placeholder), so ``None`` means ``set_to_none`` (the default) ran.  With
 # ``set_to_none=False`` the zeroed ``.grad`` looks like the placeholder, and its version moves for other writes
 # too (a per-parameter ``clip_grad_norm_`` between micro-batches: taking that for zero_grad dropped gradients), so
-# the op itself is watched: ``zero_`` / ``_foreach_zero_`` of a shard stamps the tensor (``note_zeroed``), and a
-# deferral older than its ``.grad``'s stamp is thrown away.  A kept-whole parameter's ``.grad`` is a plain tensor
-# the op table never sees: inside ``Module.zero_grad`` / ``Optimizer.zero_grad`` the first zeroed shard stamps
-# the plain gradients of that call's module or optimizer too.
+# the op itself is watched: ``zero_`` / ``_foreach_zero_`` / ``fill_(0)`` over a whole shard stamps its ``_local``
+# (``note_zeroed``; ``.grad.data`` shares it), and a deferral older than its ``.grad``'s stamp is thrown away.  A
+# kept-whole parameter's ``.grad`` is a plain tensor the op table never sees: inside a ``zero_grad`` method (of a
+# module, or of an optimizer: anything with ``param_groups``) the first zeroed shard stamps the plain gradients
+# of that call's module or optimizer too.  Zeros a loop writes into plain gradients by hand are not seen.
 _clock = itertools.count(1)
 _ZEROED_AT = "_shardtensor_zeroed_at"
 _last_deferral = [0]
@@ -185,13 +186,13 @@ def note_zeroed(tensors) -> None:
     if not _last_deferral[0]:  # nothing was ever deferred: no frame walk
         return
     call = _frames.caller_frame(_is_zero_grad, limit=12)
-    owner = call.f_locals.get("self") if call is not None else None
+    if call is None:  # zeros written outside a zero_grad method
+        return
+    owner = call.f_locals.get("self")
     if isinstance(owner, torch.nn.Module):
         params = owner.parameters()
-    elif isinstance(owner, torch.optim.Optimizer):
+    else:  # torch.optim's, or any optimizer with param_groups (shardtensor.optim.Muon, a user's)
         params = (p for group in owner.param_groups for p in group["params"])
-    else:
-        return
     seen = _stamped_owners.get(id(owner))
     if seen is not None and seen[0]() is owner and seen[1] > _last_deferral[0]:
         return  # this zero_grad call (or one with no deferral since) stamped them
@@ -202,8 +203,11 @@ def note_zeroed(tensors) -> None:
 
 
 def _is_zero_grad(frame) -> bool:
-    code = frame.f_code
-    return code.co_name == "zero_grad" and (code.co_filename.endswith(("nn/modules/module.py", "optim/optimizer.py")))
+    """A ``zero_grad`` method of a module or of an optimizer (anything with ``param_groups``)."""
+    if frame.f_code.co_name != "zero_grad":
+        return False
+    owner = frame.f_locals.get("self")
+    return isinstance(owner, torch.nn.Module) or isinstance(getattr(owner, "param_groups", None), list)
 
 
 def discarded_by_zero_grad(param, since: int = 0) -> bool:
@@ -212,4 +216,4 @@ def discarded_by_zero_grad(param, since: int = 0) -> bool:
     if param is None:
         return False
     grad = param.grad
-    return grad is None or getattr(grad, _ZEROED_AT, 0) > since
+    return grad is None or getattr(getattr(grad, "_local", grad), _ZEROED_AT, 0) > since  # (a shard: its _local)

@@ -28,6 +28,16 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "zeros_stamped_on_the_wrapper_not_its_shard": Mutation(
+        "shardtensor/_dispatch/local.py", "_whole_shard",
+        "    return t._local if not t._views or _chain_is_bijective(t._views) else None",
+        "    return t",
+        ("tests/test_sync_habits.py::test_zeros_written_by_hand_through_grad_data_throw_the_deferred_gradients_away",)),
+    "zero_grad_of_torch_optimizers_only": Mutation(
+        "shardtensor/_grad_landing.py", "_is_zero_grad",
+        "    return isinstance(owner, torch.nn.Module) or isinstance(getattr(owner, \"param_groups\", None), list)",
+        "    return isinstance(owner, (torch.nn.Module, torch.optim.Optimizer))",
+        ("tests/test_sync_habits.py::test_an_optimizer_of_our_own_zeroing_with_set_to_none_false_throws_the_deferred_gradients_away",)),
     "layer_norm_of_a_low_precision_input_decomposed": Mutation(
         "shardtensor/_dispatch/sequential.py", "_mixed_dtype",
         "    return any(p is not None and p.dtype != x.dtype for p in params)",
@@ -50,8 +60,8 @@ MUTATIONS = {
         ("tests/test_units.py::test_the_root_is_a_unit_only_where_what_the_blocks_leave_fits_in_one_block",)),
     "zeros_written_into_a_gradient_not_noted": Mutation(
         "shardtensor/_dispatch/local.py", "_zero",
-        "    _grad_landing.note_zeroed(args[0] if isinstance(args[0], (list, tuple)) else args[:1])",
-        "    pass",
+        "        _grad_landing.note_zeroed([_whole_shard(t) for t in written])",
+        "        pass",
         ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "kept_whole_gradients_of_a_zero_grad_not_stamped": Mutation(
         "shardtensor/_grad_landing.py", "note_zeroed",

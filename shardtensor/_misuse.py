@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _comm, _grad_landing
+from . import _comm, _frames, _grad_landing
 from ._agreement import _sample_digest, take_rank0_values
 
 log = logging.getLogger("shardtensor")
@@ -357,6 +357,10 @@ class PickleRefusingHook:
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo):
+        if _frames.inside("__init__", "swa_utils"):  # AveragedModel deep-copies the module it is given
+            raise TypeError(DEEPCOPY_REFUSAL + " torch.optim.swa_utils.AveragedModel deep-copies its module: build "
+                            "it before shard_module (ema = AveragedModel(model); shard_module(model); "
+                            "shard_module(ema)), then update_parameters(model) as usual.")
         raise TypeError(DEEPCOPY_REFUSAL)
 
     def __reduce_ex__(self, protocol):

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "averaged_model_refusal_without_its_recipe": Mutation(
+        "shardtensor/_misuse.py", "__deepcopy__",
+        "        if _frames.inside(\"__init__\", \"swa_utils\"):  # AveragedModel deep-copies the module it is given",
+        "        if False:",
+        ("tests/test_reliability.py::test_averaged_model_of_a_sharded_model_names_the_recipe_that_works",)),
     "zeros_stamped_on_the_wrapper_not_its_shard": Mutation(
         "shardtensor/_dispatch/local.py", "_whole_shard",
         "    return t._local if not t._views or _chain_is_bijective(t._views) else None",

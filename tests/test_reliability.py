@@ -30,6 +30,42 @@ def _mlp(seed: int = 0) -> nn.Module:
 
 
 # ============================================================== error catalogue
+def averaged_model_case() -> dict:
+    """``AveragedModel(sharded)`` deep-copies a sharded module: refused, and the message's recipe (build the EMA
+    before sharding, shard both) gives the unsharded EMA (helper Y: the old message's fix failed the same way)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    plain = _mlp(0).double()
+    model = copy.deepcopy(plain)
+    ema, plain_ema = (AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in (model, plain))
+    shardtensor.shard_module(model)
+    out = {}
+    try:
+        AveragedModel(model)
+    except TypeError as exc:
+        out["refusal"] = str(exc)
+    shardtensor.shard_module(ema)
+    opt, plain_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(plain.parameters(), lr=0.5)
+    xs = [torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for _ in range(2):
+        model(xs[rank]).square().mean().backward()
+        opt.step(), opt.zero_grad()
+        for x in xs:
+            (plain(x).square().mean() / world).backward()
+        plain_opt.step(), plain_opt.zero_grad()
+        ema.update_parameters(model), plain_ema.update_parameters(plain)
+    full = shardtensor.full_state_dict(ema)
+    out["off"] = max((full[k] - v).abs().max().item() for k, v in plain_ema.state_dict().items())
+    return out
+
+
+def test_averaged_model_of_a_sharded_model_names_the_recipe_that_works():
+    for out in run_on_ranks(2, averaged_model_case):
+        assert "AveragedModel" in out.get("refusal", "") and "before shard_module" in out["refusal"], out
+        assert out["off"] < 1e-12, out
+
+
 def test_sharding_twice_names_the_model():
     model = shardtensor.shard_module(_mlp())
     with pytest.raises(ValueError, match="already sharded"):

@@ -7,8 +7,9 @@ graphs through ``__torch_dispatch__``.  Our eager rules cannot run there (the Ga
 identity-keyed buffers, blocking gloo collectives), so the dispatcher sends every op whose shard is fake here:
 
   - views (``t``, ``view``, ``detach``...) stay views: a ShardedParam over the same shard, no gather;
-  - every other op gathers each ShardedParam it meets with a functional all-gather
-    (``torch.distributed._functional_collectives``), cuts the padding rows, replays the views and runs the op
+  - every other op gathers each ShardedParam it meets with one node of the graph (on gloo CPU a custom op over
+    the eager broadcasts: see [Note: a traced gather by broadcasts] in _comm_traced.py; elsewhere a functional
+    all-gather, ``torch.distributed._functional_collectives``), cuts the padding rows, replays the views and runs the op
     on plain tensors.  The collective is a node of the graph, so the compiler schedules it (and, with
     ``torch._inductor.config.reorder_for_compute_comm_overlap``, overlaps it with compute).  Autograd saves the
     *view* (a ShardedParam over the shard), never the gathered tensor, so the backward graph gathers again
@@ -40,7 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import _comm
+from . import _comm_traced
 from ._layout import ShardLayout, apply_views
 
 
@@ -91,5 +92,7 @@ def traced_gather(param) -> torch.Tensor:
     local, dtype = param._local, param_dtype_of(layout)
     if dtype is not None and local.is_floating_point() and local.dtype != dtype:  # cast before the gather
         local = local.to(dtype)
-    full = _comm.functional_all_gather_rows(local, layout.group) if layout.world > 1 else local
+    if layout.world > 1:  # see [Note: a traced gather by broadcasts] in _comm_traced.py
+        local = _comm_traced.traced_all_gather_rows(local, layout.group, f"all-gather of {param._name!r} (compiled)")
+    full = local
     return apply_views(full[: layout.shape[0]], param._views)

@@ -211,13 +211,20 @@ def hand_zeroing_case(mode: str, how: str) -> float:
     def zero():
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.data.zero_() if how == "data" else p.grad.detach().fill_(0.0)
+                if how == "data":
+                    p.grad.data.zero_()
+                elif how == "detach-fill":
+                    p.grad.detach().fill_(0.0)
+                elif how == "slice":  # p.grad[:] = 0 arrives as fill_.Tensor through a view of every row
+                    p.grad[:] = 0
+                else:
+                    p.grad.view(-1).zero_()
 
     return _grads_after_dropping_a_micro_batch(model, plain, zero, xs, rank, world)
 
 
 @pytest.mark.parametrize("mode", ["sequential", "overlapped"])
-@pytest.mark.parametrize("how", ["data", "detach-fill"])
+@pytest.mark.parametrize("how", ["data", "detach-fill", "slice", "flat-view"])
 def test_zeros_written_by_hand_through_grad_data_throw_the_deferred_gradients_away(mode, how):
     """``p.grad.data.zero_()`` stamped the ``.data`` wrapper, not the gradient (helper Z: every parameter 0.2-1.3
     off, silently); the stamp is on the shard both share now."""

@@ -31,7 +31,7 @@ from . import traced
 POINTWISE = OpFamily("pointwise", lambda func: torch.Tag.pointwise in func.tags)
 FOREACH = OpFamily("foreach", lambda func: func.overloadpacket.__name__.startswith("_foreach_"))
 EXTRA_LOCAL_OPS = [  # not tagged pointwise, but element-wise on a shard all the same
-    aten.fill_.Tensor, aten.zeros_like.default, aten.ones_like.default,
+    aten.zeros_like.default, aten.ones_like.default,
     aten.empty_like.default, aten.full_like.default, aten._to_copy.default, aten.clone.default,
     # in-place forms whose out-of-place twin is tagged pointwise, but not themselves (torch 2.13)
     aten.abs_.default, aten.absolute_.default, aten.fix_.default, aten.mish_.default, aten.xlogy_.Scalar_Other,
@@ -161,24 +161,29 @@ def _local(func, args, kwargs):
     return compute(func, args, kwargs)
 
 
-@implements([aten.zero_.default, aten._foreach_zero_.default, aten.fill_.Scalar])
+@implements([aten.zero_.default, aten._foreach_zero_.default, aten.fill_.Scalar, aten.fill_.Tensor])
 def _zero(func, args, kwargs):
     """``p.grad.zero_()``, ``p.grad.data.fill_(0)``, ``zero_grad(set_to_none=False)``: zeros written over a whole
     tensor are noted on its shard (``.data`` and ``detach()`` share it), since a ``no_sync`` gradient deferred
     before them is thrown away (see [Note: zero_grad throws deferred gradients away] in _grad_landing.py); zeros
     through a row view (``emb.weight.grad[pad].zero_()``) are not a zero_grad."""
     out = (_foreach_local if func is aten._foreach_zero_.default else _local)(func, args, kwargs)
-    if func is not aten.fill_.Scalar or args[1] == 0:
+    value = args[1] if func in (aten.fill_.Scalar, aten.fill_.Tensor) else 0  # (p.grad[:] = 0: fill_.Tensor)
+    if not isinstance(value, torch.Tensor) and value == 0 or isinstance(value, torch.Tensor) and _is_plain_zero(value):
         written = args[0] if isinstance(args[0], (list, tuple)) else args[:1]
         _grad_landing.note_zeroed([_whole_shard(t) for t in written])
     return out
+
+
+def _is_plain_zero(value: torch.Tensor) -> bool:
+    return type(value) is torch.Tensor and value.dim() == 0 and not bool(value)
 
 
 def _whole_shard(t):
     """The tensor a write into ``t`` covers whole: a shard's ``_local`` (None through a partial view), or ``t``."""
     if not isinstance(t, ShardedParam):
         return t
-    return t._local if not t._views or _chain_is_bijective(t._views) else None
+    return t._local if not t._views or t.shape.numel() == t._layout.shape.numel() else None
 
 
 def _scalar_operand(x) -> bool:

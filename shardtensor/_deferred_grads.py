@@ -52,17 +52,3 @@ class DeferredGradients:
     def deferred_bytes(self) -> int:
         """Bytes of full local gradients waiting for the next synced backward."""
         return sum(t.numel() * t.element_size() for t in self._deferred.values())
-
-    def _take_unreached_deferred(self, later: dict) -> None:
-        """Move the replicated gradients kept while ``gradient_sync`` was off, that this backward did not reach,
-        into ``later``: averaged in the flat all-reduce, not one by one in an order that depends on the data."""
-        owners = self.__dict__.get("_deferred_owner", {})
-        for key in [k for k in self._deferred if k.startswith("replicated:") and k in owners]:
-            param = owners.pop(key)[0]
-            kept = self._deferred.pop(key)
-            if _grad_landing.discarded_by_zero_grad(param, self.deferred_at(key)):
-                continue
-            if id(param) in later:
-                later[id(param)].add_(kept)
-            else:
-                later[id(param)] = kept

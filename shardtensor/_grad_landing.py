@@ -29,7 +29,6 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _frames
 
 # id(placeholder) -> a weak reference to it.  Weak, so that AccumulateGrad can take the placeholder itself as
 # ``.grad`` (it steals a gradient nobody else references; held here, it was cloned: an allocation, a copy and two
@@ -162,52 +161,23 @@ def _will_accumulate(param) -> bool:
 # too (a per-parameter ``clip_grad_norm_`` between micro-batches: taking that for zero_grad dropped gradients), so
 # the op itself is watched: ``zero_`` / ``_foreach_zero_`` / ``fill_(0)`` over a whole shard stamps its ``_local``
 # (``note_zeroed``; ``.grad.data`` shares it), and a deferral older than its ``.grad``'s stamp is thrown away.  A
-# kept-whole parameter's ``.grad`` is a plain tensor the op table never sees: inside a ``zero_grad`` method (of a
-# module, or of an optimizer: anything with ``param_groups``) the first zeroed shard stamps the plain gradients
-# of that call's module or optimizer too.  Zeros a loop writes into plain gradients by hand are not seen.
+# kept-whole parameter defers nothing: its ``.grad`` sums this rank's gradients as under DDP (see [Note:
+# replicated gradients] in reduce.py), so any write into it is what DDP would see.
 _clock = itertools.count(1)
 _ZEROED_AT = "_shardtensor_zeroed_at"
-_last_deferral = [0]
-_stamped_owners: dict[int, tuple] = {}  # id(module or optimizer) -> (weak reference, stamp of its last zero_grad)
 
 
 def deferral_stamp() -> int:
     """A time for a deferral: a zeroing stamped later threw it away."""
-    _last_deferral[0] = next(_clock)
-    return _last_deferral[0]
+    return next(_clock)
 
 
 def note_zeroed(tensors) -> None:
-    """``zero_`` / ``_foreach_zero_`` wrote zeros into ``tensors`` (see [Note: zero_grad throws deferred ...])."""
+    """Zeros were written over each of ``tensors`` (see [Note: zero_grad throws deferred ...])."""
     stamp = next(_clock)
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
             setattr(tensor, _ZEROED_AT, stamp)
-    if not _last_deferral[0]:  # nothing was ever deferred: no frame walk
-        return
-    call = _frames.caller_frame(_is_zero_grad, limit=12)
-    if call is None:  # zeros written outside a zero_grad method
-        return
-    owner = call.f_locals.get("self")
-    if isinstance(owner, torch.nn.Module):
-        params = owner.parameters()
-    else:  # torch.optim's, or any optimizer with param_groups (shardtensor.optim.Muon, a user's)
-        params = (p for group in owner.param_groups for p in group["params"])
-    seen = _stamped_owners.get(id(owner))
-    if seen is not None and seen[0]() is owner and seen[1] > _last_deferral[0]:
-        return  # this zero_grad call (or one with no deferral since) stamped them
-    _stamped_owners[id(owner)] = (weakref.ref(owner), stamp)
-    for param in params:
-        if param.grad is not None:
-            setattr(param.grad, _ZEROED_AT, stamp)
-
-
-def _is_zero_grad(frame) -> bool:
-    """A ``zero_grad`` method of a module or of an optimizer (anything with ``param_groups``)."""
-    if frame.f_code.co_name != "zero_grad":
-        return False
-    owner = frame.f_locals.get("self")
-    return isinstance(owner, torch.nn.Module) or isinstance(getattr(owner, "param_groups", None), list)
 
 
 def discarded_by_zero_grad(param, since: int = 0) -> bool:

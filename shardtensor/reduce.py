@@ -162,8 +162,6 @@ class GradSync(DeferredGradients):
         self.max_pending_bytes = max_pending_bytes
         self.pending_budget: Callable[[], int] = lambda: max_pending_bytes  # shard_module: the Gatherer's policy
         self._pending: list[PendingReduce] = []
-        self._replicated: list[tuple[torch.Tensor, object]] = []  # (parameter, group): .grad averaged at the end
-        self._replicated_later: dict[int, torch.Tensor] = {}  # id -> this backward's gradient, .grad already set
         self._replicated_params: dict[int, tuple] = {}  # id -> (parameter, group, name), in registration order
         self._finish_queued_for = None  # the backward (graph task) whose end-of-backward callback is queued
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
@@ -271,24 +269,12 @@ class GradSync(DeferredGradients):
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if param is not None and _grad_landing.captured_by_autograd_grad(param):  # this rank's own gradient
                 return grad
-            key = f"replicated:{id(hook)}"
-            if not self.enabled:  # nothing is reduced at this backward's end (gradient_sync off)
-                return torch.zeros_like(self._defer(key, grad.detach(), (param, group) if param is not None else None))
+            if not self.enabled:  # DDP's no_sync: .grad sums this rank's gradients, averaged whole at the next end
+                return grad
             self._queue_finish_once()
-            grad = self._with_deferred(key, grad.detach(), param).clone()
-            if param is not None and not _read_by_user_hooks(param):
-                if param.grad is None and id(param) not in self._replicated_later:
-                    # AccumulateGrad copies a gradient someone else still references, so keep the parameter and
-                    # average its .grad (this backward's gradient: it had none) at the end.
-                    self._replicated.append((param, group))
-                    return grad
-                # .grad holds earlier micro-batches' mean: this backward's gradient waits aside, and AccumulateGrad
-                # adds zeros (see [Note: replicated gradients])
-                kept = self._replicated_later.setdefault(id(param), grad)
-                if kept is not grad:
-                    kept.add_(grad)
-                return torch.zeros_like(grad)
-            _comm.all_reduce(grad, group, op="avg", label=f"average of the replicated gradient of {name!r}")
+            if param is not None and _read_by_user_hooks(param):  # (see [Note: replicated gradients])
+                grad = grad.detach().clone()
+                _comm.all_reduce(grad, group, op="avg", label=f"average of the replicated gradient of {name!r}")
             return grad
 
         return hook
@@ -308,54 +294,47 @@ class GradSync(DeferredGradients):
             self._queue_finish()
 
     # [Note: replicated gradients]
-    # A replicated parameter's gradient is averaged like DDP's, at the end of backward: every trainable replicated
-    # parameter of the module, in registration order (the same on every rank), in one flat all-reduce per
-    # (group, dtype, device) with a has-gradient count per parameter.  A rank whose backward did not reach a
-    # parameter adds zeros; the mean is then the unsharded run's (an expert one rank's tokens skipped), and a
-    # parameter no rank reached keeps grad None.  The gradients in the order the hooks fired put one parameter's
-    # gradient beside another's where the ranks' data took different paths (an MoE's per-expert gains, two heads
-    # picked by the batch): averaged with each other, silently.  A later micro-batch (``.grad`` already holds the
-    # mean of the earlier ones) is averaged at the end the same way: its gradient waits aside (AccumulateGrad adds
-    # zeros) and its mean is added to ``.grad``; so are gradients kept while ``gradient_sync`` was off that this
-    # backward did not reach.  Only a gradient a user hook reads during backward is averaged at once.
+    # A replicated parameter's gradient is averaged like DDP's: AccumulateGrad sums this rank's gradients into
+    # ``.grad`` (also while ``gradient_sync`` is off, as DDP's ``no_sync`` does), and the end of a synced backward
+    # averages every trainable replicated parameter's whole ``.grad`` over the ranks, in registration order (the
+    # same on every rank), in one flat all-reduce per (group, dtype, device) with a has-gradient count per
+    # parameter.  So whatever a script does to ``.grad`` between micro-batches (zeroes it by hand, clips it, reads
+    # it) is what DDP would see; a part already averaged is the same on every rank and stays itself.  A rank whose
+    # ``.grad`` is None adds zeros; the mean is then the unsharded run's (an expert one rank's tokens skipped), and
+    # a parameter no rank has a gradient for keeps grad None.  Averaging in the order the hooks fired put one
+    # parameter's gradient beside another's where the ranks' data took different paths (an MoE's per-expert gains,
+    # two heads picked by the batch): averaged with each other, silently.  Only a gradient a user hook reads
+    # during backward is averaged at once (the whole ``.grad`` again at the end: a no-op for what was averaged).
     def _finish_replicated(self) -> None:
         if self._finish_queued_for is None:  # no gradient of this module in this backward (or done already)
             return
         self._finish_queued_for = None
-        pending, self._replicated = self._replicated, []
-        later, self._replicated_later = self._replicated_later, {}
-        if torch._C._current_graph_task_id() == -1:  # a failed backward's, finished at the next forward: its
-            later = {}  # gradients that were waiting aside are dropped, as its unreduced ones are
-        else:
-            self._take_unreached_deferred(later)
-        reached = {id(param) for param, _ in pending if param.grad is not None}  # (a failed backward's: none)
-        buckets: dict = {}
+        failed = torch._C._current_graph_task_id() == -1  # a failed backward's, finished at the next forward: its
+        buckets: dict = {}  # gradients are left as they are (the next synced end averages them)
         for param, group, name in self._replicated_params.values():
-            if param.requires_grad or id(param) in reached or id(param) in later:
+            if param.requires_grad:  # (the same on every rank: the flat buffer's layout)
                 buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))
         for group, params in buckets.values():
-            self._average_replicated(group, params, reached, later)
+            self._average_replicated(group, params, failed)
 
     @torch.no_grad()
-    def _average_replicated(self, group, params: list, reached: set, later: dict) -> None:
+    def _average_replicated(self, group, params: list, failed: bool) -> None:
         sizes = [param.numel() for param, _ in params]
         total = sum(sizes)
         flat = torch.zeros(total + len(params), dtype=params[0][0].dtype, device=params[0][0].device)
         values, counts = flat[:total].split(sizes), flat[total:]
         for k, (param, _) in enumerate(params):
-            for local in (param.grad if id(param) in reached else None, later.get(id(param))):
-                if local is not None:
-                    values[k].add_(local.reshape(-1))
-                    counts[k] = 1
+            if param.grad is not None and not failed:
+                values[k].copy_(param.grad.reshape(-1))
+                counts[k] = 1
         _comm.all_reduce(flat, group, label=f"replicated gradients of {params[0][1]!r} and {len(params) - 1} more")
         world = _comm.world_size(group)
         for k, (param, _) in enumerate(params):
-            if counts[k] == 0:
-                continue  # no rank's backward reached it
+            if counts[k] == 0 or failed:
+                continue  # no rank has a gradient for it
             mean = values[k].div_(world).view_as(param)
-            if id(param) in reached:
-                param.grad.copy_(mean)
-            elif param.grad is None:
+            if param.grad is None:
                 param.grad = mean.clone()
             else:
-                param.grad.add_(mean)
+                param.grad.copy_(mean)
+

@@ -28,6 +28,17 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "kept_whole_no_sync_gradients_dropped": Mutation(
+        "shardtensor/reduce.py", "replicated_grad_hook",
+        "            if not self.enabled:  # DDP's no_sync: .grad sums this rank's gradients, averaged whole at the next end\n                return grad",
+        "            if not self.enabled:\n                return torch.zeros_like(grad)",
+        ("tests/test_sync_habits.py::test_kept_whole_gradients_zeroed_by_hand_between_micro_batches_are_dropped_as_under_ddp",
+         "tests/test_sync_habits.py::test_ddp_and_fsdp2_accumulation_names_work_on_a_sharded_model")),
+    "kept_whole_grad_averaged_only_where_reached": Mutation(
+        "shardtensor/reduce.py", "_average_replicated",
+        "            if param.grad is not None and not failed:",
+        "            if param.grad is not None and not failed and False:",
+        ("tests/test_sync_habits.py::test_kept_whole_gradients_zeroed_by_hand_between_micro_batches_are_dropped_as_under_ddp",)),
     "compiled_gathers_by_the_functional_all_gather": Mutation(
         "shardtensor/_comm_traced.py", "traced_all_gather_rows",
         "    if local.device.type == \"cpu\" and \"gloo\" in str(dist.get_backend(group)):",
@@ -43,11 +54,6 @@ MUTATIONS = {
         "    return t._local if not t._views or t.shape.numel() == t._layout.shape.numel() else None",
         "    return t",
         ("tests/test_sync_habits.py::test_zeros_written_by_hand_through_grad_data_throw_the_deferred_gradients_away",)),
-    "zero_grad_of_torch_optimizers_only": Mutation(
-        "shardtensor/_grad_landing.py", "_is_zero_grad",
-        "    return isinstance(owner, torch.nn.Module) or isinstance(getattr(owner, \"param_groups\", None), list)",
-        "    return isinstance(owner, (torch.nn.Module, torch.optim.Optimizer))",
-        ("tests/test_sync_habits.py::test_an_optimizer_of_our_own_zeroing_with_set_to_none_false_throws_the_deferred_gradients_away",)),
     "layer_norm_of_a_low_precision_input_decomposed": Mutation(
         "shardtensor/_dispatch/sequential.py", "_mixed_dtype",
         "    return any(p is not None and p.dtype != x.dtype for p in params)",
@@ -72,11 +78,6 @@ MUTATIONS = {
         "shardtensor/_dispatch/local.py", "_zero",
         "        _grad_landing.note_zeroed([_whole_shard(t) for t in written])",
         "        pass",
-        ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
-    "kept_whole_gradients_of_a_zero_grad_not_stamped": Mutation(
-        "shardtensor/_grad_landing.py", "note_zeroed",
-        "    if not _last_deferral[0]:  # nothing was ever deferred: no frame walk",
-        "    if True:",
         ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "moe_keyword_inputs_not_tied": Mutation(
         "shardtensor/_units.py", "_post_forward",
@@ -254,12 +255,6 @@ MUTATIONS = {
         "                if param.grad is None and id(param) not in self._replicated_later:",
         "            if param is not None and param.grad is None and not _read_by_user_hooks(param):\n"
         "                if True:",
-        ("tests/test_units.py::test_replicated_parameters_picked_per_rank_in_later_micro_batches_train_like_the_"
-         "unsharded_model",)),
-    "unreached_deferred_replicated_left": Mutation(
-        "shardtensor/_deferred_grads.py", "_take_unreached_deferred",
-        "        owners = self.__dict__.get(\"_deferred_owner\", {})\n",
-        "        return\n",
         ("tests/test_units.py::test_replicated_parameters_picked_per_rank_in_later_micro_batches_train_like_the_"
          "unsharded_model",)),
     "strict_false_loads_nothing": Mutation(

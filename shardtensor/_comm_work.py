@@ -69,19 +69,27 @@ def track_in_flight(work) -> None:
 
 
 def settle_before_exit() -> None:
-    """atexit: wait for the works in flight, then let the worker threads release them."""
+    """atexit: wait for the works in flight (all together, a bounded time), then let the worker threads release
+    them; one still incomplete is kept past exit."""
     if not _ISSUED[0]:
         return
     deadline = time.monotonic() + EXIT_WAIT_S
-    for work in list(_TRACKED) + P2P_IN_FLIGHT:
-        try:
-            while not work.is_completed() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            if not work.is_completed():
-                keep_past_exit(getattr(work, "work", work))
-        except Exception:  # noqa: BLE001 - a broken group at exit: nothing left to wait for
-            continue
+    pending = list(_TRACKED) + P2P_IN_FLIGHT
+    while pending:
+        pending = [work for work in pending if not _completed(work)]
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
+    for work in pending:
+        keep_past_exit(getattr(work, "work", work))
     time.sleep(EXIT_SETTLE_S)
+
+
+def _completed(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a broken group at exit: nothing left to wait for
+        return True
 
 
 atexit.register(settle_before_exit)

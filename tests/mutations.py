@@ -61,8 +61,8 @@ MUTATIONS = {
         ("tests/test_mixed_precision.py::test_autocast_layer_norm_with_a_low_precision_input_equals_the_unsharded_model",)),
     "exit_does_not_wait_for_works_in_flight": Mutation(
         "shardtensor/_comm_work.py", "settle_before_exit",
-        "            while not work.is_completed() and time.monotonic() < deadline:",
-        "            while False:",
+        "        time.sleep(0.005)",
+        "        break",
         ("tests/test_reliability.py::test_the_exit_waits_for_works_in_flight_and_keeps_past_it_those_that_never_complete",)),
     "issued_works_not_tracked_for_the_exit": Mutation(
         "shardtensor/_comm.py", "_issued",

@@ -166,6 +166,7 @@ class GradSync(DeferredGradients):
         self._finish_queued_for = None  # the backward (graph task) whose end-of-backward callback is queued
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self._deferred_at: dict[str, int] = {}  # key -> its last deferral's stamp (zero_grad since throws it away)
+        self._local_sums: set[int] = set()  # kept-whole parameters whose .grad got gradients while sync was off
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
         self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable
 
@@ -270,12 +271,24 @@ class GradSync(DeferredGradients):
             if param is not None and _grad_landing.captured_by_autograd_grad(param):  # this rank's own gradient
                 return grad
             if not self.enabled:  # DDP's no_sync: .grad sums this rank's gradients, averaged whole at the next end
+                if param is not None:
+                    self._local_sums.add(id(param))
                 return grad
             self._queue_finish_once()
-            if param is not None and _read_by_user_hooks(param):  # (see [Note: replicated gradients])
-                grad = grad.detach().clone()
-                _comm.all_reduce(grad, group, op="avg", label=f"average of the replicated gradient of {name!r}")
-            return grad
+            if param is None or not _read_by_user_hooks(param):
+                return grad
+            # A hook reads .grad during backward (see [Note: replicated gradients]): average now, with this rank's
+            # own sum of micro-batches folded in, so every rank's hook reads the same .grad.
+            grad = grad.detach().clone()
+            local = param.grad if id(param) in self._local_sums else None
+            if local is not None:
+                grad.add_(local)
+            _comm.all_reduce(grad, group, op="avg", label=f"average of the replicated gradient of {name!r}")
+            if local is None:
+                return grad
+            self._local_sums.discard(id(param))
+            local.copy_(grad)
+            return torch.zeros_like(grad)  # (AccumulateGrad adds zeros to the mean)
 
         return hook
 
@@ -311,9 +324,11 @@ class GradSync(DeferredGradients):
         self._finish_queued_for = None
         failed = torch._C._current_graph_task_id() == -1  # a failed backward's, finished at the next forward: its
         buckets: dict = {}  # gradients are left as they are (the next synced end averages them)
+        if not failed:
+            self._local_sums.clear()
+        # Frozen ones too: a sum kept while sync was off must be averaged, and the layout is the same on every rank.
         for param, group, name in self._replicated_params.values():
-            if param.requires_grad:  # (the same on every rank: the flat buffer's layout)
-                buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))
+            buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))
         for group, params in buckets.values():
             self._average_replicated(group, params, failed)
 

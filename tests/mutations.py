@@ -28,10 +28,20 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "frozen_kept_whole_sum_not_averaged": Mutation(
+        "shardtensor/reduce.py", "_finish_replicated",
+        "            buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))",
+        "            buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name)) if param.requires_grad else None",
+        ("tests/test_sync_habits.py::test_a_kept_whole_parameter_frozen_after_no_sync_micro_batches_gets_the_mean_of_its_sum",)),
+    "hooked_kept_whole_mean_without_its_local_sum": Mutation(
+        "shardtensor/reduce.py", "replicated_grad_hook",
+        "            local = param.grad if id(param) in self._local_sums else None",
+        "            local = None",
+        ("tests/test_sync_habits.py::test_speculative_cpu_adam_over_no_sync_micro_batches_keeps_kept_whole_replicas_identical",)),
     "kept_whole_no_sync_gradients_dropped": Mutation(
         "shardtensor/reduce.py", "replicated_grad_hook",
-        "            if not self.enabled:  # DDP's no_sync: .grad sums this rank's gradients, averaged whole at the next end\n                return grad",
-        "            if not self.enabled:\n                return torch.zeros_like(grad)",
+        "                    self._local_sums.add(id(param))\n                return grad",
+        "                    self._local_sums.add(id(param))\n                return torch.zeros_like(grad)",
         ("tests/test_sync_habits.py::test_kept_whole_gradients_zeroed_by_hand_between_micro_batches_are_dropped_as_under_ddp",
          "tests/test_sync_habits.py::test_ddp_and_fsdp2_accumulation_names_work_on_a_sharded_model")),
     "kept_whole_grad_averaged_only_where_reached": Mutation(

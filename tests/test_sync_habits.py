@@ -301,3 +301,63 @@ def test_kept_whole_gradients_zeroed_by_hand_between_micro_batches_are_dropped_a
     module holding only such parameters) are seen as DDP sees them (helper A: 2.4-11.7 off, silently)."""
     for diff in run_on_ranks(2, kept_whole_hand_zeroing_case, mode, how):
         assert diff < 1e-12, diff
+
+
+def freeze_after_no_sync_case(mode: str) -> float:
+    """A kept-whole gain frozen after a ``no_sync`` micro-batch: DDP averages the sum it kept; its .grad was
+    left this rank's own (helper B: 0.20 on one rank, 1.21 on the other, and the step split the replicas)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(_GainBlock(), nn.Linear(8, 2)).double()
+
+    plain, model = build(), shardtensor.shard_module(build(), gather=mode)
+    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
+           for r in range(world)] for m in range(2)]
+    with model.no_sync():
+        model(xs[0][rank]).sum().backward()
+    model[0].gain.requires_grad_(False)
+    model(xs[1][rank]).sum().backward()
+    for x in xs[0]:
+        (plain(x).sum() / world).backward()
+    plain[0].gain.requires_grad_(False)
+    for x in xs[1]:
+        (plain(x).sum() / world).backward()
+    grads = dict(model.named_parameters())
+    return max(((grads[n].grad.full_tensor() if isinstance(grads[n], shardtensor.ShardedParam) else grads[n].grad)
+                - p.grad).abs().max().item() for n, p in plain.named_parameters())
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_a_kept_whole_parameter_frozen_after_no_sync_micro_batches_gets_the_mean_of_its_sum(mode):
+    for diff in run_on_ranks(2, freeze_after_no_sync_case, mode):
+        assert diff < 1e-12, diff
+
+
+def speculative_cpu_adam_over_no_sync_case() -> list:
+    """Speculative CPUAdam reads a kept-whole .grad in backward: it must read the same mean on every rank (it read
+    this rank's own no_sync sum plus the mean, was redone, and the replicas drifted 2-6e-9 apart; helper B)."""
+    from shardtensor.optim import CPUAdam
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(_GainBlock(), nn.LayerNorm(8), nn.Linear(8, 2)), persist_numel=16)
+    opt = CPUAdam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + m + 100 * rank)) for m in range(2)]
+        with model.no_sync():
+            model(xs[0]).square().sum().backward()
+        model(xs[1]).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    kept = torch.cat([p.detach().reshape(-1) for p in model.parameters()
+                      if not isinstance(p, shardtensor.ShardedParam)])
+    everyone = [torch.empty_like(kept) for _ in range(world)]
+    torch.distributed.all_gather(everyone, kept)
+    return [(t - kept).abs().max().item() for t in everyone]
+
+
+def test_speculative_cpu_adam_over_no_sync_micro_batches_keeps_kept_whole_replicas_identical():
+    for diffs in run_on_ranks(2, speculative_cpu_adam_over_no_sync_case):
+        assert max(diffs) == 0.0, diffs

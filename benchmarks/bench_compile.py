@@ -3,8 +3,9 @@
 Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
   - ``st-eager``:       ``shard_module(model)`` (overlapped gathers), eager;
   - ``st-eager-seq``:   ``shard_module(model, gather="sequential")``, eager;
-  - ``st-compiled``:    ``torch.compile(shard_module(model), fullgraph=True)``: one graph, functional all-gathers
-    in it (``gather=`` does not change the compiled graph: see shardtensor/_traced.py);
+  - ``st-compiled``:    ``torch.compile(shard_module(model), fullgraph=True)``: one graph, a gather node per
+    parameter read (on gloo the eager broadcasts as a custom op; ``gather=`` does not change the compiled graph:
+    see shardtensor/_traced.py);
   - ``st-compiled-bucketed``: the same with inductor's all-gather bucketing and compute/comm reordering on
     (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``);
   - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe);

@@ -27,9 +27,10 @@ class DeferredGradients:
     # for communication) and hands AccumulateGrad a zero shard; the next synced backward adds the buffer to its
     # gradient and reduces once.  The mean of the summed gradients is the sum of the means, so the result equals
     # reducing every micro-batch (up to summation order).
-    def _defer(self, key: str, grad: torch.Tensor, owner=None) -> torch.Tensor:
+    def _defer(self, key: str, grad: torch.Tensor, owner: tuple) -> torch.Tensor:
+        """Add ``grad`` to ``key``'s buffer; ``owner``: (sharded parameter, its layout)."""
         kept = self._deferred.get(key)
-        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None, self.deferred_at(key)):
+        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0], self.deferred_at(key)):
             self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
         else:
             kept.add_(grad)

@@ -161,7 +161,7 @@ def flush_deferred(grad_sync) -> None:
 
     owners = grad_sync.__dict__.get("_deferred_owner", {})
     for key in [k for k in grad_sync._deferred if k in owners and isinstance(owners[k][1], ShardLayout)]:
-        kept = grad_sync._deferred.pop(key)  # (replicated ones: averaged in GradSync's flat all-reduce)
+        kept = grad_sync._deferred.pop(key)
         param, where = owners.pop(key)
         if _grad_landing.discarded_by_zero_grad(param, grad_sync.deferred_at(key)):  # zero_grad() threw it away
             continue
@@ -172,13 +172,6 @@ def flush_deferred(grad_sync) -> None:
         else:
             param.grad.add_(grad)
         _grad_landing.gradient_landed(param)
-
-
-def _deferred_name(grad_sync, key: str) -> str:
-    if not key.startswith("replicated:"):
-        return key
-    param = grad_sync.__dict__.get("_deferred_owner", {}).get(key, (None,))[0]
-    return f"a replicated parameter of shape {tuple(param.shape)}" if param is not None else "a replicated parameter"
 
 
 def refuse_uninitialized_parameters(module: nn.Module) -> None:

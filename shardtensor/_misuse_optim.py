@@ -23,7 +23,7 @@ import torch
 
 from . import _comm
 from ._full_optim_state import FullState, agree_on_full_state, is_full_state, own_rows
-from ._misuse import _DEFERRING, _deferred_name
+from ._misuse import _DEFERRING
 from ._torch_state_dict import full_optimizer_state_for_torch_helpers
 
 _FIX_OPTIMIZER = ("Fix: build the optimizer, and any parameter lists its groups take (decay / no-decay groups "
@@ -231,7 +231,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             owner = owners.get(key)
             if owner is None or id(owner[0]) in held:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__}.step(): the gradient of {_deferred_name(gs, key)!r} is still deferred "
+                    f"{type(optimizer).__name__}.step(): the gradient of {key!r} is still deferred "
                     "by shardtensor.gradient_sync(model, False) (its .grad holds zeros until a backward with sync on "
                     "reduces it). Fix: run the last micro-batch's backward outside gradient_sync(model, False), "
                     "then call opt.step()."

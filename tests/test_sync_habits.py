@@ -72,6 +72,18 @@ class _GainBlock(nn.Module):
         return torch.tanh(self.lin(x)) * self.gain
 
 
+def _micro_batches(world: int, count: int) -> list:
+    """``count`` micro-batches of one (4, 8) float64 input per rank, the same on every rank's process."""
+    return [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
+             for r in range(world)] for m in range(count)]
+
+
+def _gain_net() -> nn.Module:
+    """A block with a sharded weight and a kept-whole 0-d gain, then a head (seeded: the same every call)."""
+    torch.manual_seed(0)
+    return nn.Sequential(_GainBlock(), nn.Linear(8, 2)).double()
+
+
 def discarded_accumulation_case(mode: str, units: bool, how: str) -> float:
     """A ``no_sync`` micro-batch, then ``zero_grad`` (an epoch's incomplete accumulation, a skipped NaN batch),
     then a clean step: the worst difference from the unsharded model's clean step."""
@@ -131,8 +143,7 @@ def zero_grad_between_deferred_case(mode: str, set_to_none: bool) -> float:
 
     plain, model = build(), shardtensor.shard_module(build(), gather=mode)
     opt, plain_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
-    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
-           for r in range(world)] for m in range(3)]
+    xs = _micro_batches(world, 3)
     with model.no_sync():
         model(xs[0][rank]).sum().backward()
     opt.zero_grad(set_to_none=set_to_none)
@@ -161,13 +172,8 @@ def clip_between_micro_batches_case(mode: str) -> float:
     the deferred gradients must survive it (a version check taken for a sign of zero_grad dropped them: 4.0 off)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(_GainBlock(), nn.Linear(8, 2)).double()
-
-    plain, model = build(), shardtensor.shard_module(build(), gather=mode)
-    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
-           for r in range(world)] for m in range(2)]
+    plain, model = _gain_net(), shardtensor.shard_module(_gain_net(), gather=mode)
+    xs = _micro_batches(world, 2)
     with model.no_sync():
         model(xs[0][rank]).sum().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6, foreach=False)
@@ -205,8 +211,7 @@ def hand_zeroing_case(mode: str, how: str) -> float:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
     model = shardtensor.shard_module(copy.deepcopy(plain), gather=mode)
-    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
-           for r in range(world)] for m in range(2)]
+    xs = _micro_batches(world, 2)
 
     def zero():
         for p in model.parameters():
@@ -243,8 +248,7 @@ def muon_zero_grad_case() -> float:
 
     plain, model = build(), shardtensor.shard_module(build(), placement="layerwise")
     opt = Muon(model)
-    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
-           for r in range(world)] for m in range(2)]
+    xs = _micro_batches(world, 2)
     return _grads_after_dropping_a_micro_batch(model, plain, lambda: opt.zero_grad(set_to_none=False), xs, rank, world)
 
 
@@ -264,8 +268,7 @@ def kept_whole_hand_zeroing_case(mode: str, how: str) -> float:
 
     plain = build()
     model = shardtensor.shard_module(build(), gather=mode, persist_numel=16)  # biases, norms, gains kept whole
-    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
-           for r in range(world)] for m in range(2)]
+    xs = _micro_batches(world, 2)
 
     def zero():
         if how == "submodule":  # a module holding only kept-whole parameters
@@ -308,13 +311,8 @@ def freeze_after_no_sync_case(mode: str) -> float:
     left this rank's own (helper B: 0.20 on one rank, 1.21 on the other, and the step split the replicas)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(_GainBlock(), nn.Linear(8, 2)).double()
-
-    plain, model = build(), shardtensor.shard_module(build(), gather=mode)
-    xs = [[torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * m + r))
-           for r in range(world)] for m in range(2)]
+    plain, model = _gain_net(), shardtensor.shard_module(_gain_net(), gather=mode)
+    xs = _micro_batches(world, 2)
     with model.no_sync():
         model(xs[0][rank]).sum().backward()
     model[0].gain.requires_grad_(False)

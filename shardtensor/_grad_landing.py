@@ -23,7 +23,6 @@ the landing and the guard still swallows the placeholder's call.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Callable, Optional
 
@@ -150,40 +149,3 @@ def _will_accumulate(param) -> bool:
         if "autograd.grad" in str(exc):
             return False
         raise
-
-
-# [Note: zero_grad throws deferred gradients away]
-# ``opt.zero_grad()`` / ``model.zero_grad()`` after ``no_sync`` micro-batches (an epoch's last incomplete
-# accumulation, a skipped NaN batch) must throw the deferred gradients away, as DDP's drops what ``no_sync``
-# accumulated in ``.grad``; kept aside, they were added to the next synced step, silently.  A deferring backward
-# leaves ``.grad`` set (a zero placeholder), so ``None`` means ``set_to_none`` (the default) ran.  With
-# ``set_to_none=False`` the zeroed ``.grad`` looks like the placeholder, and its version moves for other writes
-# too (a per-parameter ``clip_grad_norm_`` between micro-batches: taking that for zero_grad dropped gradients), so
-# the op itself is watched: ``zero_`` / ``_foreach_zero_`` / ``fill_(0)`` over a whole shard stamps its ``_local``
-# (``note_zeroed``; ``.grad.data`` shares it), and a deferral older than its ``.grad``'s stamp is thrown away.  A
-# kept-whole parameter defers nothing: its ``.grad`` sums this rank's gradients as under DDP (see [Note:
-# replicated gradients] in reduce.py), so any write into it is what DDP would see.
-_clock = itertools.count(1)
-_ZEROED_AT = "_shardtensor_zeroed_at"
-
-
-def deferral_stamp() -> int:
-    """A time for a deferral: a zeroing stamped later threw it away."""
-    return next(_clock)
-
-
-def note_zeroed(tensors) -> None:
-    """Zeros were written over each of ``tensors`` (see [Note: zero_grad throws deferred ...])."""
-    stamp = next(_clock)
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor):
-            setattr(tensor, _ZEROED_AT, stamp)
-
-
-def discarded_by_zero_grad(param, since: int = 0) -> bool:
-    """Whether ``opt.zero_grad()`` / ``model.zero_grad()`` ran since ``param``'s gradient was deferred (at the
-    stamp ``since``): then the deferred gradient is thrown away (see [Note: zero_grad throws deferred ...])."""
-    if param is None:
-        return False
-    grad = param.grad
-    return grad is None or getattr(getattr(grad, "_local", grad), _ZEROED_AT, 0) > since  # (a shard: its _local)

@@ -161,9 +161,9 @@ def flush_deferred(grad_sync) -> None:
 
     owners = grad_sync.__dict__.get("_deferred_owner", {})
     for key in [k for k in grad_sync._deferred if k in owners and isinstance(owners[k][1], ShardLayout)]:
-        kept = grad_sync._deferred.pop(key)
         param, where = owners.pop(key)
-        if _grad_landing.discarded_by_zero_grad(param, grad_sync.deferred_at(key)):  # zero_grad() threw it away
+        kept = grad_sync.take_deferred(key, grad_sync._deferred.pop(key), param)
+        if kept is None:  # zero_grad() threw it away, or the script replaced .grad
             continue
         shard = grad_sync.strategy.reduce_grad(kept, where, key=key, dtype=param.dtype, owned=True, overlap=False)
         grad = ShardedParam(_grad_landing.run_tensor_hooks(param, shard.to(param.dtype)), where, name=key)

@@ -28,6 +28,32 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "accumulate_grads_clone_taken_for_a_user_copy": Mutation(
+        "shardtensor/_dispatch/local.py", "_note_copied",
+        "    if torch._C._current_graph_task_id() == -1:", "    if True:",
+        ("tests/test_sync_habits.py::test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient",)),
+    "grad_scale_not_applied_to_the_deferral": Mutation(
+        "shardtensor/_grad_edits.py", "as_edited",
+        "            kept.div_(factor) if divide else kept.mul_(factor)", "            pass",
+        ("tests/test_sync_habits.py::test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient",)),
+    "division_of_a_grad_taken_for_a_product": Mutation(
+        "shardtensor/_dispatch/local.py", "_scale",
+        "args[1], func in _DIVIDES)", "args[1], False)",
+        ("tests/test_sync_habits.py::test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient",)),
+    "grad_copy_not_noted": Mutation(
+        "shardtensor/_dispatch/local.py", "_copy",
+        "    _note_copied(dst)\n    return dst\n\n\ndef",
+        "    return dst\n\n\ndef",
+        ("tests/test_sync_habits.py::test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient",)),
+    "grad_copy_of_a_shard_not_noted": Mutation(
+        "shardtensor/_dispatch/local.py", "_copy",
+        "            _note_copied(dst)\n",
+        "            pass\n",
+        ("tests/test_sync_habits.py::test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient",)),
+    "grad_replacement_not_seen": Mutation(
+        "shardtensor/_grad_edits.py", "as_edited",
+        "    if held is not None and held() is not holder:", "    if False:",
+        ("tests/test_sync_habits.py::test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient",)),
     "frozen_kept_whole_sum_not_averaged": Mutation(
         "shardtensor/reduce.py", "_finish_replicated",
         "            buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))",
@@ -86,7 +112,7 @@ MUTATIONS = {
         ("tests/test_units.py::test_the_root_is_a_unit_only_where_what_the_blocks_leave_fits_in_one_block",)),
     "zeros_written_into_a_gradient_not_noted": Mutation(
         "shardtensor/_dispatch/local.py", "_zero",
-        "        _grad_landing.note_zeroed([_whole_shard(t) for t in written])",
+        "        _grad_edits.note_overwritten([_whole_shard(t) for t in _written_list(args[0])])",
         "        pass",
         ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "moe_keyword_inputs_not_tied": Mutation(
@@ -96,8 +122,8 @@ MUTATIONS = {
         ("tests/test_units.py::test_a_rank_whose_tokens_reach_no_expert",)),
     "deferral_adds_onto_a_discarded_buffer": Mutation(
         "shardtensor/_deferred_grads.py", "_defer",
-        "        if kept is None or _grad_landing.discarded_by_zero_grad(owner[0] if owner else None, self.deferred_at(key)):",
-        "        if kept is None:",
+        "            kept = _grad_edits.as_edited(owner[0], kept, self.deferred_at(key), self._held.pop(key, None))",
+        "            pass",
         ("tests/test_sync_habits.py::test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones",)),
     "finished_sends_kept_past_the_wait": Mutation(
         "shardtensor/_comm_rows.py", "wait",
@@ -120,8 +146,8 @@ MUTATIONS = {
         "    pass",
         ("tests/test_gather.py::test_a_failed_backward_leaves_no_half_reduced_gradients",)),
     "zero_grad_keeps_deferred_gradients": Mutation(
-        "shardtensor/_grad_landing.py", "discarded_by_zero_grad",
-        "    return param is not None and param.grad is None", "    return False",
+        "shardtensor/_grad_edits.py", "as_edited",
+        "    if holder is None or getattr(holder, _OVERWRITTEN_AT, 0) > since:", "    if False:",
         ("tests/test_sync_habits.py::test_zero_grad_throws_away_what_no_sync_micro_batches_accumulated",)),
     "unit_output_without_gradient_never_tied": Mutation(
         "shardtensor/_units.py", "_post_forward",

@@ -359,3 +359,66 @@ def speculative_cpu_adam_over_no_sync_case() -> list:
 def test_speculative_cpu_adam_over_no_sync_micro_batches_keeps_kept_whole_replicas_identical():
     for diffs in run_on_ranks(2, speculative_cpu_adam_over_no_sync_case):
         assert max(diffs) == 0.0, diffs
+
+
+def _edit_grads(params, how: str) -> None:
+    """What a script does to ``.grad`` between two micro-batches (on DDP: to this rank's summed gradient)."""
+    params = [p for p in params if p.grad is not None]
+    if how == "foreach-mul":  # clip_grad_norm_(foreach=True)'s scaling: one _foreach_mul_ with a 0-d tensor
+        torch._foreach_mul_([p.grad for p in params], torch.tensor(0.25, dtype=torch.float64))
+        return
+    for p in params:
+        if how == "none":
+            continue
+        if how == "mul":
+            p.grad.mul_(0.5)
+        elif how == "imul-zero":
+            p.grad *= 0
+        elif how == "div":
+            p.grad.div_(torch.tensor(4.0, dtype=torch.float64))
+        elif how == "copy":
+            p.grad.copy_(torch.ones_like(p.grad))
+        elif how == "copy-plain":  # a full plain tensor, the same on every rank: each keeps its rows
+            p.grad.copy_(torch.linspace(-1, 1, p.numel(), dtype=p.dtype).reshape(p.shape))
+        elif how == "assign":
+            p.grad = torch.full_like(p, 0.5)
+        elif how == "assign-detached":  # a new wrapper over the same shard: nothing changes, as under DDP
+            p.grad = p.grad.detach()
+
+
+def edits_between_micro_batches_case(mode: str, how: str) -> float:
+    """Two ``no_sync`` micro-batches, each followed by an edit of ``.grad``, then a synced one: the worst
+    difference from DDP's gradient (each rank's edited sum, averaged)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    model = shardtensor.shard_module(copy.deepcopy(plain), gather=mode)
+    xs = _micro_batches(world, 3)
+    how, _, create_graph = how.partition(" ")  # (AccumulateGrad clones and copies gradients under create_graph)
+    with model.no_sync():
+        for x in xs[:2]:
+            model(x[rank]).sum().backward(create_graph=bool(create_graph))
+            _edit_grads(model.parameters(), how)
+    model(xs[2][rank]).sum().backward()
+    expected = {n: torch.zeros_like(p) for n, p in plain.named_parameters()}
+    for r in range(world):  # DDP: each rank edits its own sum, then the synced backward averages
+        ddp_rank = copy.deepcopy(plain)
+        for x in xs[:2]:
+            ddp_rank(x[r]).sum().backward(create_graph=bool(create_graph))
+            _edit_grads(ddp_rank.parameters(), how)
+        ddp_rank(xs[2][r]).sum().backward()
+        for n, p in ddp_rank.named_parameters():
+            expected[n] += p.grad.detach() / world
+    grads = dict(model.named_parameters())
+    return max((grads[n].grad.full_tensor() - e).abs().max().item() for n, e in expected.items())
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+@pytest.mark.parametrize("how", ["mul", "imul-zero", "div", "foreach-mul", "copy", "copy-plain", "assign",
+                                 "assign-detached", "none create_graph", "mul create_graph"])
+def test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient(mode, how):
+    """Between ``no_sync`` micro-batches a sharded ``.grad`` holds zeros while the summed gradient waits aside;
+    a scale, a copy or a new tensor assigned to ``.grad`` there acts on DDP's accumulated gradient, so it must
+    act on the one waiting aside (it was ignored: the deferred sum was reduced unscaled, silently)."""
+    for diff in run_on_ranks(2, edits_between_micro_batches_case, mode, how):
+        assert diff < 1e-12, diff

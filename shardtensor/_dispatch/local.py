@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _agreement, _grad_landing
+from .. import _agreement, _grad_edits
 from .._full import gather_full
 from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
@@ -165,14 +165,33 @@ def _local(func, args, kwargs):
 def _zero(func, args, kwargs):
     """``p.grad.zero_()``, ``p.grad.data.fill_(0)``, ``zero_grad(set_to_none=False)``: zeros written over a whole
     tensor are noted on its shard (``.data`` and ``detach()`` share it), since a ``no_sync`` gradient deferred
-    before them is thrown away (see [Note: zero_grad throws deferred gradients away] in _grad_landing.py); zeros
-    through a row view (``emb.weight.grad[pad].zero_()``) are not a zero_grad."""
+    before them is thrown away (see [Note: edits of a gradient between no_sync micro-batches] in _grad_edits.py);
+    zeros through a row view (``emb.weight.grad[pad].zero_()``) are not a zero_grad."""
     out = (_foreach_local if func is aten._foreach_zero_.default else _local)(func, args, kwargs)
     value = args[1] if func in (aten.fill_.Scalar, aten.fill_.Tensor) else 0  # (p.grad[:] = 0: fill_.Tensor)
     if not isinstance(value, torch.Tensor) and value == 0 or isinstance(value, torch.Tensor) and _is_plain_zero(value):
-        written = args[0] if isinstance(args[0], (list, tuple)) else args[:1]
-        _grad_landing.note_zeroed([_whole_shard(t) for t in written])
+        _grad_edits.note_overwritten([_whole_shard(t) for t in _written_list(args[0])])
     return out
+
+
+_DIVIDES = {aten.div_.Scalar, aten.div_.Tensor, aten._foreach_div_.Scalar, aten._foreach_div_.Tensor}
+_FOREACH_SCALES = {aten._foreach_mul_.Scalar, aten._foreach_mul_.Tensor, aten._foreach_div_.Scalar,
+                   aten._foreach_div_.Tensor}
+
+
+@implements([aten.mul_.Scalar, aten.mul_.Tensor, aten.div_.Scalar, aten.div_.Tensor, *_FOREACH_SCALES])
+def _scale(func, args, kwargs):
+    """``p.grad.mul_(s)``, ``clip_grad_norm_``'s ``_foreach_mul_``: a scale by a scalar over a whole shard that
+    holds a deferred ``no_sync`` gradient scales that gradient too (see [Note: edits of a gradient between
+    no_sync micro-batches] in _grad_edits.py)."""
+    out = (_foreach_local if func in _FOREACH_SCALES else _local)(func, args, kwargs)
+    if _grad_edits.logging_scales() and _scalar_operand(args[1]) and not kwargs:
+        _grad_edits.note_scaled([_whole_shard(t) for t in _written_list(args[0])], args[1], func in _DIVIDES)
+    return out
+
+
+def _written_list(target) -> list:
+    return list(target) if isinstance(target, (list, tuple)) else [target]
 
 
 def _is_plain_zero(value: torch.Tensor) -> bool:
@@ -280,6 +299,7 @@ def _copy(func, args, kwargs):
         if src._layout == dst._layout and not src._views:
             dst._local.copy_(src._local)
             _mark_written((dst,))
+            _note_copied(dst)
             return dst
         src = gather_full(src)
     if src.dim() == 0 or src.shape != dst.shape:
@@ -292,7 +312,15 @@ def _copy(func, args, kwargs):
     with torch.no_grad():
         dst._layout.copy_own_rows(dst._local, src)
     _mark_written((dst,))
+    _note_copied(dst)
     return dst
+
+
+def _note_copied(dst: ShardedParam) -> None:
+    """``p.grad.copy_(x)`` between ``no_sync`` micro-batches replaces the deferred sum; a copy inside a backward
+    is AccumulateGrad cloning a gradient under ``create_graph`` (the sum stands)."""
+    if torch._C._current_graph_task_id() == -1:
+        _grad_edits.note_overwritten([_whole_shard(dst)])
 
 
 @implements([aten.eye.out, aten.eye.m_out])

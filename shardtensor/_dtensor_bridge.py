@@ -1,5 +1,14 @@
 """ShardedParam <-> DTensor (``Shard(0)`` on a 1-d mesh): the bridge ``torch.distributed.checkpoint`` and DTensor
-code cross.  Our split is DTensor's (``torch.chunk``: ceil(rows / world) rows per rank) plus zero padding."""
+code cross.  Our split is DTensor's (``torch.chunk``: ceil(rows / world) rows per rank) plus zero padding.
+
+[Note: checkpoint chunks come from the layout]
+DCP asks a partial tensor which block of the global tensor it holds (``__create_write_items__``,
+``__create_chunk_list__``) and for that block's data (``__get_tensor_shard__``).  The answer is the layout's own
+rows (``row_start``, ``valid_rows``), not a ``Shard(0)`` DTensor's: an ``OwnerLayout`` (layer-wise placement)
+holds every row on its owner and none elsewhere, which ``Shard(0)`` cannot say.  Through the DTensor, the
+metadata listed dim-0 chunks while the owner wrote its whole tensor: a load put wrong rows everywhere, silently.
+A rank without rows gives no chunk.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,45 @@ import torch
 
 from . import _comm
 from ._layout import ShardLayout
+
+
+def _rows_held(param):
+    """``(offsets, sizes)`` of the block of the global tensor this rank's shard holds; None: no rows."""
+    if param._views:
+        raise ValueError(f"checkpoint: {param._name or 'tensor'!r} is a view of a shard; save the parameter")
+    layout = param._layout
+    if layout.valid_rows == 0:
+        return None
+    offsets = torch.Size((layout.row_start,) + (0,) * (len(layout.shape) - 1))
+    return offsets, torch.Size((layout.valid_rows, *layout.shape[1:]))
+
+
+def dcp_write_items(param, fqn: str) -> list:
+    """DCP's write items for this rank's rows (see [Note: checkpoint chunks come from the layout])."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    held = _rows_held(param)
+    if held is None:
+        return []
+    offsets, sizes = held
+    return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                  properties=TensorProperties.create_from_tensor(param._local),
+                                                  size=param._layout.shape))]
+
+
+def dcp_chunks(param) -> list:
+    """The block this rank loads into (none where it holds no rows)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    held = _rows_held(param)
+    return [] if held is None else [ChunkStorageMetadata(offsets=held[0], sizes=held[1])]
+
+
+def dcp_shard(param) -> torch.Tensor:
+    """This rank's rows without padding, a view: DCP's load writes into the shard through it."""
+    return param._local[: param._layout.valid_rows]
 
 
 def to_dtensor(param):
@@ -22,6 +70,12 @@ def to_dtensor(param):
     if param._views:
         raise ValueError(f"to_dtensor: {param._name or 'tensor'!r} is a view of a shard; call it on the parameter")
     layout = param._layout
+    if type(layout) is not ShardLayout:
+        raise NotImplementedError(
+            f"to_dtensor: {param._name or 'tensor'!r} is placed by {type(layout).__name__} (layer-wise placement: "
+            "one rank holds the whole tensor), which no DTensor placement describes. Fix: pass the ShardedParams "
+            "themselves to torch.distributed.checkpoint (shardtensor.save_checkpoint / load_checkpoint, or "
+            "get_model_state_dict + dcp.save), or shardtensor.full_state_dict(model) for whole tensors.")
     mesh = _comm.device_mesh(layout.group, param._local.device.type)
     stride = torch.empty(layout.shape, device="meta").stride()
     return DTensor.from_local(param._local[: layout.valid_rows], mesh, [Shard(0)], run_check=False,

@@ -211,18 +211,16 @@ class ShardedParam(torch.Tensor):
         return _dtensor_bridge.to_dtensor(self)
 
     # torch.distributed.checkpoint's protocol for tensors that hold part of a global tensor (DTensor implements
-    # it).  With it a ShardedParam goes into dcp.save / dcp.load as the DTensor ``to_dtensor()`` gives: the
-    # state dicts of torch's get_state_dict / set_state_dict (which hold ShardedParams) save only this rank's
-    # rows and load, resharded, into the shard in place.
+    # it): dcp.save writes only this rank's rows, dcp.load copies the overlapping rows of whatever ranks saved
+    # into the shard in place (see [Note: checkpoint chunks come from the layout] in _dtensor_bridge.py).
     def __create_write_items__(self, fqn: str, obj: Any):
-        view = self.to_dtensor()
-        return view.__create_write_items__(fqn, view)
+        return _dtensor_bridge.dcp_write_items(self, fqn)
 
     def __create_chunk_list__(self):
-        return self.to_dtensor().__create_chunk_list__()
+        return _dtensor_bridge.dcp_chunks(self)
 
     def __get_tensor_shard__(self, index):
-        return self.to_dtensor().__get_tensor_shard__(index)
+        return _dtensor_bridge.dcp_shard(self)
 
     @classmethod
     def from_dtensor(cls, dtensor, *, name: str = "", requires_grad: bool = False) -> "ShardedParam":

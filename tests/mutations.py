@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "checkpoint_chunks_split_by_dim_0_whatever_the_layout": Mutation(
+        "shardtensor/_dtensor_bridge.py", "_rows_held",
+        "    offsets = torch.Size((layout.row_start,) + (0,) * (len(layout.shape) - 1))",
+        "    offsets = torch.Size((min(layout.rank * -(-layout.shape[0] // layout.world), layout.shape[0]),) + (0,) * (len(layout.shape) - 1))",
+        ("tests/test_layerwise.py::test_a_layerwise_checkpoint_loads_back_exactly",)),
     "accumulate_grads_clone_taken_for_a_user_copy": Mutation(
         "shardtensor/_dispatch/local.py", "_note_copied",
         "    if torch._C._current_graph_task_id() == -1:", "    if True:",

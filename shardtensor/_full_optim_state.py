@@ -36,7 +36,7 @@ def is_full_state(param: torch.Tensor, value, kept_local_alike: bool) -> bool:
     from ._layout import ShardLayout
     from .tensor import ShardedParam
 
-    if not isinstance(param, ShardedParam) or type(param._layout) is not ShardLayout or param._layout.world == 1:
+    if not isinstance(param, ShardedParam) or type(param._layout) is not ShardLayout:
         return False
     if isinstance(value, ShardedParam) or not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False

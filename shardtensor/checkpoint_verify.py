@@ -128,6 +128,8 @@ def _read_sidecar(directory: Path) -> dict:
 
 def verify(directory: Path, rank: int, world: int) -> Any:
     """Every integrity check of a DCP checkpoint directory, nothing loaded; returns DCP's metadata."""
+    if not directory.is_dir():  # (else: "checksum file missing", and a fix that would not help)
+        raise CheckpointError(f"{directory}: no checkpoint there (not a directory); save_checkpoint writes one")
     sidecar = _read_sidecar(directory)
     meta_path = directory / METADATA
     if not meta_path.is_file():

@@ -28,6 +28,16 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "moment_of_another_shape_stepped_on": Mutation(
+        "shardtensor/_misuse_optim.py", "_shaped_for_another_parameter",
+        "    return shape is not None and len(shape) == param.dim() and shape not in (param.shape, param._layout.local_shape())",
+        "    return False",
+        ("tests/test_full_optim_state.py::test_a_moment_of_another_shape_is_refused_before_anything_is_updated",)),
+    "full_optimizer_state_at_world_1_taken_for_rows": Mutation(
+        "shardtensor/_full_optim_state.py", "is_full_state",
+        "    if not isinstance(param, ShardedParam) or type(param._layout) is not ShardLayout:",
+        "    if not isinstance(param, ShardedParam) or type(param._layout) is not ShardLayout or param._layout.world == 1:",
+        ("tests/test_full_optim_state.py::test_an_unsharded_runs_optimizer_state_resumes_like_the_unsharded_run",)),
     "checkpoint_chunks_split_by_dim_0_whatever_the_layout": Mutation(
         "shardtensor/_dtensor_bridge.py", "_rows_held",
         "    offsets = torch.Size((layout.row_start,) + (0,) * (len(layout.shape) - 1))",
@@ -299,7 +309,7 @@ MUTATIONS = {
         ("tests/test_units.py::test_replicated_parameters_picked_per_rank_in_later_micro_batches_train_like_the_"
          "unsharded_model",)),
     "strict_false_loads_nothing": Mutation(
-        "shardtensor/checkpoint.py", "_leave_out_what_was_never_saved",
+        "shardtensor/checkpoint_match.py", "leave_out_what_was_never_saved",
         "        if lacking and len(lacking) == len(state[_MODEL]):  # nothing would load: another model, or a prefix",
         "        if False:",
         ("tests/test_checkpoint.py::test_checkpoints_of_another_model_or_optimizer_kind_are_still_named",)),
@@ -359,7 +369,7 @@ MUTATIONS = {
         "    named = list(module.named_parameters())",
         ("tests/test_reliability.py::test_ranks_with_different_weights_all_take_rank_0s_at_shard_module",)),
     "unsaved_optimizer_state_required": Mutation(
-        "shardtensor/checkpoint.py", "_leave_out_what_was_never_saved",
+        "shardtensor/checkpoint_match.py", "leave_out_what_was_never_saved",
         "        if f\"{_OPTIM}.state.{fqn}\" not in with_state:  # (state of another optimizer's kind is still named "
         "below)", "        if False:",
         ("tests/test_checkpoint.py::"
@@ -469,7 +479,7 @@ MUTATIONS = {
         '''    _raise_if_any_failed(error, group, "load_checkpoint (exchanging the files' verdicts)")''', "    pass",
         ("tests/test_checkpoint.py::test_damaged_dcp_checkpoint_is_named_on_every_rank_and_changes_nothing",)),
     "param_group_members_unchecked": Mutation(
-        "shardtensor/checkpoint.py", "_check_param_groups",
+        "shardtensor/checkpoint_match.py", "check_param_groups",
         "        if len(sources) > 1 or clash:", "        if False:",
         ("tests/test_checkpoint.py::test_param_groups_that_hold_other_parameters_than_when_saved_are_refused",)),
     "unreadable_save_not_shared": Mutation(

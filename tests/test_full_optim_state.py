@@ -68,12 +68,13 @@ def resume_from_full_state_case(kind: str, how: str) -> float:
     return max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items())
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("kind,how", [("adamw", "load_state_dict"), ("adamw", "set_optimizer_state_dict"),
                                       ("cpu_adam", "load_state_dict")])
 def test_an_unsharded_runs_optimizer_state_resumes_like_the_unsharded_run(world, kind, how):
     """It was refused at the first step as "another rank's or another run's file" (and CPUAdam failed inside its
-    load with torch's copy error)."""
+    load with torch's copy error).  At world 1 the stock optimizers' full state was taken for the shard's own
+    and the first step failed half-way (helper D: AdamW had decayed and counted one parameter)."""
     for worst in run_on_ranks(world, resume_from_full_state_case, kind, how):
         assert worst < 1e-5, worst
 
@@ -112,3 +113,42 @@ def test_full_state_that_differs_between_ranks_or_beside_rows_is_refused_on_ever
     for out in run_on_ranks(2, mismatched_full_state_case, kind, mix):
         assert want in out["message"] and "Fix:" in out["message"], out
         assert out["unchanged"], out
+
+
+def another_models_state_case(how: str) -> dict:
+    """An unsharded run's full state in which one moment has another shape (a state dict of another model)."""
+    rank = torch.distributed.get_rank()
+    plain = _build()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.01)
+    plain(_batch(0, 0)).square().mean().backward()
+    plain_opt.step()
+    state = plain_opt.state_dict()
+    state["state"][2]["exp_avg"] = torch.zeros(9, 9)  # the second weight is (3, 6)
+    model = shardtensor.shard_module(_build())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    before = [p.to_local().clone() for p in model.parameters()]
+    if how == "load_state_dict":
+        opt.load_state_dict(state)
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = [name for name, _ in _build().named_parameters()]
+        by_name = {"state": {names[i]: s for i, s in state["state"].items()},
+                   "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+        set_optimizer_state_dict(model, opt, by_name, options=StateDictOptions(full_state_dict=True))
+    model(_batch(rank, 1)).square().mean().backward()
+    try:
+        opt.step()
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    return {"message": message, "unchanged": all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))}
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "set_optimizer_state_dict"])
+def test_a_moment_of_another_shape_is_refused_before_anything_is_updated(how):
+    """Helper D: a (9, 9) ``exp_avg`` for a (5, 7) weight loaded without a word, and the step failed with
+    torch's size error after updating the parameters before it."""
+    for out in run_on_ranks(2, another_models_state_case, how):
+        assert "'exp_avg' of '2.weight' has shape (9, 9)" in out["message"], out
+        assert "Nothing was updated" in out["message"] and out["unchanged"], out

@@ -306,3 +306,37 @@ def test_a_layerwise_checkpoint_loads_back_exactly(tmp_path, world, saved_as, lo
     state = {"model": plain.state_dict()}
     dcp.load(state, checkpoint_id=path, no_dist=True)
     assert all(torch.equal(v, want[k]) for k, v in state["model"].items())
+
+
+def muon_checkpoint_case(path: str) -> dict:
+    """``save_checkpoint`` / ``load_checkpoint`` handed Muon (per-rank inner optimizers), and a path with no
+    checkpoint: named errors on every rank, nothing changed."""
+    import shardtensor
+    from shardtensor.checkpoint_files import CheckpointError
+    from shardtensor.optim import Muon
+
+    model = shardtensor.shard_module(_build(0), placement="layerwise")
+    opt = Muon(model, lr=0.02, adamw_lr=1e-2)
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+    out = {}
+    for what, call in (("save", lambda: shardtensor.save_checkpoint(path, model, opt)),
+                       ("load", lambda: shardtensor.load_checkpoint(path, model, opt)),
+                       ("missing", lambda: shardtensor.load_checkpoint(path + "-none", model))):
+        try:
+            call()
+            out[what] = "no error"
+        except CheckpointError as exc:
+            out[what] = str(exc)
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in shardtensor.full_state_dict(model).items())
+    return out
+
+
+def test_checkpoints_handed_muon_or_no_checkpoint_name_the_fix(tmp_path):
+    """Helper D: ``load_checkpoint(path, model, muon)`` raised ``AttributeError: 'Muon' object has no attribute
+    'state'``; a path with no checkpoint said the checksum file was missing and suggested
+    ``verify_checksums=False``."""
+    for out in run_on_ranks(2, muon_checkpoint_case, str(tmp_path / "ckpt")):
+        assert "Muon is not a torch.optim.Optimizer" in out["save"] and "torch.save(optimizer.state_dict())" in out["save"], out
+        assert "Muon is not a torch.optim.Optimizer" in out["load"], out
+        assert "no checkpoint there" in out["missing"], out
+        assert out["unchanged"], out

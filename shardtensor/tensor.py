@@ -200,6 +200,11 @@ class ShardedParam(torch.Tensor):
     def numpy(self, *, force: bool = False):
         raise TypeError(self._host_copy_refusal("numpy"))
 
+    def __dlpack__(self, *args, **kwargs):
+        # DLPack exports the wrapper's own storage, which holds nothing: torch.from_dlpack(p) crashed the process
+        # (SIGSEGV) and numpy.from_dlpack(p) read memory that is not the parameter's.
+        raise TypeError(self._host_copy_refusal("__dlpack__"))
+
     def _host_copy_refusal(self, method: str) -> str:
         return (f"ShardedParam {self._name or tuple(self.shape)!r}.{method}(): the values are spread over the ranks. "
                 f"Fix: p.full_tensor().{method}() (a gather: call it on every rank), or p.to_local().{method}() for "

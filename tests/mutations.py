@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "dlpack_export_allowed": Mutation(
+        "shardtensor/tensor.py", "__dlpack__",
+        "        raise TypeError(self._host_copy_refusal(\"__dlpack__\"))",
+        "        return super().__dlpack__(*args, **kwargs)",
+        ("tests/test_errors_and_repr.py::test_dlpack_exports_are_refused_like_host_copies",)),
     "moment_of_another_shape_stepped_on": Mutation(
         "shardtensor/_misuse_optim.py", "_shaped_for_another_parameter",
         "    return shape is not None and len(shape) == param.dim() and shape not in (param.shape, param._layout.local_shape())",

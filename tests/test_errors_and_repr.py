@@ -31,6 +31,19 @@ def test_host_copies_name_full_tensor_and_to_local(method):
     assert getattr(p.to_local(), method)() is not None  # the way out works
 
 
+@pytest.mark.parametrize("export", ["torch.from_dlpack", "numpy.from_dlpack"])
+def test_dlpack_exports_are_refused_like_host_copies(export):
+    """Helper E: DLPack exports the wrapper's own storage, which holds nothing: ``torch.from_dlpack(p)`` crashed
+    the process (SIGSEGV) and ``numpy.from_dlpack(p)`` read memory that is not the parameter's."""
+    import numpy
+
+    p = ShardedParam.from_full(torch.randn(5, 3), name="w")
+    call = torch.from_dlpack if export == "torch.from_dlpack" else numpy.from_dlpack
+    with pytest.raises(TypeError, match=r"'w'\.__dlpack__\(\).*full_tensor\(\)"):
+        call(p.detach())
+    assert torch.equal(torch.as_tensor(call(p.to_local())), p.to_local())  # the way out works
+
+
 def test_repr_survives_a_broken_layout():
     p = ShardedParam.from_full(torch.randn(4, 2))
     object.__setattr__(p, "_layout", None)  # what a half-built object in a debugger may look like

@@ -133,6 +133,8 @@ def _local(func, args, kwargs):
     else:
         if first is not None and not (kwargs and any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values())) \
                 and (not written or (written == ((0, "self"),) and args[0] is first)):
+            if not written and first._gatherer is not None and first._gatherer.held and _held_in_full(args):
+                return compute(func, args, kwargs)  # see [Note: reads of a parameter its unit holds]
             out = func(*locals_, **kwargs)
             if written:
                 _mark_written((first,))  # see [Note: writes through the wrapper are versioned on the shard]
@@ -148,6 +150,8 @@ def _local(func, args, kwargs):
     # product would leave each rank's rows scaled by its own gradient, never averaged.  Those run gathered, so
     # the gradient hook receives a whole gradient and reduces it.
     allow_scalars = writes_shard or (not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1)
+    if not writes_shard and _held_in_full(params):
+        return compute(func, args, kwargs)  # see [Note: reads of a parameter its unit holds]
     if _localizable(params) and _plain_tensors_ok(_leaves(args, kwargs), allow_scalars):
         out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
         if writes_shard:
@@ -159,6 +163,21 @@ def _local(func, args, kwargs):
             return args[0]
         _refuse(func, args, kwargs, "its operands are not shards of one layout (or include a full plain tensor)")
     return compute(func, args, kwargs)
+
+
+# [Note: reads of a parameter its unit holds]
+# Inside a gather unit's forward or backward every parameter of the unit is held in full, gathered on every rank
+# whatever the data.  A pointwise read run shard-wise there (``1.0 + norm.weight``, autocast's cast of an expert's
+# weight, ``w * 2``) made a new sharded tensor, gathered again when used, on demand and with no name: in an
+# expert loop routed differently per rank, rank 0 gathered expert 0's and rank 1 expert 2's in one collective,
+# and the rows of the two were mixed, silently.  So a read of a held parameter runs on the held full tensor,
+# which also spares the second gather.
+def _held_in_full(operands) -> bool:
+    for x in operands:
+        if type(x) is ShardedParam and x._gatherer is not None and x._gatherer.held \
+                and id(x._local) in x._gatherer.held:
+            return True
+    return False
 
 
 @implements([aten.zero_.default, aten._foreach_zero_.default, aten.fill_.Scalar, aten.fill_.Tensor])

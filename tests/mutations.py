@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "frozen_set_left_out_of_the_unit_identity": Mutation(
+        "shardtensor/_unit_buffers.py", "_frozen_ones",
+        "    if not frozen:", "    if True:",
+        ("tests/test_units.py::test_a_parameter_frozen_on_one_rank_only_is_named_on_every_rank",)),
     "held_parameter_read_shard_wise": Mutation(
         "shardtensor/_dispatch/local.py", "_held_in_full",
         "    for x in operands:", "    for x in ():",

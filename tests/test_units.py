@@ -677,3 +677,41 @@ def sends_kept_after_a_step_case() -> int:
 
 def test_no_send_of_a_finished_reduction_is_kept_past_the_backward():
     assert run_on_ranks(2, sends_kept_after_a_step_case) == [0, 0]
+
+
+def frozen_on_one_rank_case(mode: str, when: str) -> str:
+    """``requires_grad_(False)`` on rank 1 only, before or after ``shard_module``: three SGD steps."""
+    import torch.distributed as dist
+
+    import shardtensor
+    from shardtensor import DivergenceError
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Sequential(nn.Linear(6, 2)))
+    if when == "before" and rank == 1:
+        model[0][0].weight.requires_grad_(False)
+    model = shardtensor.shard_module(model, gather=mode)
+    if when == "after" and rank == 1:
+        model[0][0].weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for s in range(3):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * s + rank))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except DivergenceError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_parameter_frozen_on_one_rank_only_is_named_on_every_rank(mode, when):
+    """Helper E: in overlapped mode the unit's has-gradient flags took the frozen rank's missing gradient for an
+    expert its tokens skipped: every row moved by rank 0's gradient halved (0.02-0.05 off DDP), silently."""
+    for message in run_on_ranks(2, frozen_on_one_rank_case, mode, when, timeout=120):
+        assert "ranks diverged" in message, message
+        if mode == "overlapped":
+            assert "frozen: 1, first '0.0.weight'" in message and "requires_grad must be the same" in message, message

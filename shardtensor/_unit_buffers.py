@@ -36,14 +36,13 @@ across other work.  Overlapped mode only: sequential mode, the lowest peak, keep
 from __future__ import annotations
 
 import functools
-import zlib
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from . import _comm, _comm_rows
 from ._layout import ShardLayout
-from .reduce import ExactReducer
+from .reduce import ExactReducer, frozen_in_label
 
 
 class HeldFull(NamedTuple):
@@ -270,7 +269,7 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
         pieces.append(mine.to(dtype).expand(world, -1))  # every rank's flags in every rank's row: summed
         flat = torch.cat(pieces, dim=1)
     with _comm.labelled(f"gradient reduction of unit {name!r} ({count} parameters, "
-                        f"first {params[0]._name!r}{_frozen_ones(params)})"), \
+                        f"first {params[0]._name!r}{frozen_in_label([p._name for p in params if not p.requires_grad])})"), \
             _comm.inputs_may_be_overwritten(True):
         if _in_place(world, flat.dtype, flat.device, group):
             rows, work = _comm_rows.reduce_scatter_in_place([flat.view(world, -1), *direct.values()], group,
@@ -280,17 +279,6 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
             rows, work = [result.buffer], result.work
     finish = functools.partial(_mean_shards, layouts, rows, work, dict(zip(direct, rows[1:])))
     return finish if async_op else finish()
-
-
-def _frozen_ones(params: Sequence) -> str:
-    """The unit's frozen parameters, in the reduction's label, so in its identity record: a parameter frozen on
-    one rank only has no gradient there, and the has-gradient flags took it for an expert that rank's tokens
-    skipped (rank 1's gradient counted as zeros, silently) where DDP refuses it."""
-    frozen = [p._name for p in params if not p.requires_grad]
-    if not frozen:
-        return ""
-    return (f"; frozen: {len(frozen)}, first {frozen[0]!r}, #{zlib.crc32(' '.join(frozen).encode()):08x} "
-            "(requires_grad must be the same on every rank)")
 
 
 def _mean_shards(layouts: list, rows: list[torch.Tensor], work, sums: dict[int, torch.Tensor]

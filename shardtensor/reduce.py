@@ -23,6 +23,7 @@ implements it; ``layerwise.OwnerReducer`` reduces to the owner; a reducer with o
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -344,7 +345,8 @@ class GradSync(DeferredGradients):
             if param.grad is not None and not failed:
                 values[k].copy_(param.grad.reshape(-1))
                 counts[k] = 1
-        _comm.all_reduce(flat, group, label=f"replicated gradients of {params[0][1]!r} and {len(params) - 1} more")
+        frozen = frozen_in_label([name for param, name in params if not param.requires_grad])
+        _comm.all_reduce(flat, group, label=f"replicated gradients of {params[0][1]!r} and {len(params) - 1} more{frozen}")
         world = _comm.world_size(group)
         for k, (param, _) in enumerate(params):
             if counts[k] == 0 or failed:
@@ -355,3 +357,12 @@ class GradSync(DeferredGradients):
             else:
                 param.grad.copy_(mean)
 
+
+def frozen_in_label(frozen: list[str]) -> str:
+    """Frozen parameters, for the label of a reduction whose CRC is in the identity record: a parameter frozen on
+    one rank only has no gradient there, and the has-gradient flags took it for one that rank's data skipped (the
+    other ranks' gradient over the world, silently) where DDP refuses it."""
+    if not frozen:
+        return ""
+    return (f"; frozen: {len(frozen)}, first {frozen[0]!r}, #{zlib.crc32(' '.join(frozen).encode()):08x} "
+            "(requires_grad must be the same on every rank)")

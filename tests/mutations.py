@@ -29,7 +29,7 @@ class Mutation(NamedTuple):
 
 MUTATIONS = {
     "frozen_set_left_out_of_the_unit_identity": Mutation(
-        "shardtensor/_unit_buffers.py", "_frozen_ones",
+        "shardtensor/reduce.py", "frozen_in_label",
         "    if not frozen:", "    if True:",
         ("tests/test_units.py::test_a_parameter_frozen_on_one_rank_only_is_named_on_every_rank",)),
     "held_parameter_read_shard_wise": Mutation(

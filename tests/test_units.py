@@ -679,7 +679,7 @@ def test_no_send_of_a_finished_reduction_is_kept_past_the_backward():
     assert run_on_ranks(2, sends_kept_after_a_step_case) == [0, 0]
 
 
-def frozen_on_one_rank_case(mode: str, when: str) -> str:
+def frozen_on_one_rank_case(mode: str, when: str, which: str = "weight") -> str:
     """``requires_grad_(False)`` on rank 1 only, before or after ``shard_module``: three SGD steps."""
     import torch.distributed as dist
 
@@ -689,11 +689,12 @@ def frozen_on_one_rank_case(mode: str, when: str) -> str:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Sequential(nn.Linear(6, 2)))
+    frozen = getattr(model[0][0], which)  # the bias is kept whole (below persist_numel)
     if when == "before" and rank == 1:
-        model[0][0].weight.requires_grad_(False)
-    model = shardtensor.shard_module(model, gather=mode)
+        frozen.requires_grad_(False)
+    model = shardtensor.shard_module(model, gather=mode, persist_numel=7)
     if when == "after" and rank == 1:
-        model[0][0].weight.requires_grad_(False)
+        getattr(model[0][0], which).requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         for s in range(3):
@@ -707,11 +708,12 @@ def frozen_on_one_rank_case(mode: str, when: str) -> str:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_a_parameter_frozen_on_one_rank_only_is_named_on_every_rank(mode, when):
+@pytest.mark.parametrize("when,which", [("before", "weight"), ("after", "weight"), ("after", "bias")])
+def test_a_parameter_frozen_on_one_rank_only_is_named_on_every_rank(mode, when, which):
     """Helper E: in overlapped mode the unit's has-gradient flags took the frozen rank's missing gradient for an
-    expert its tokens skipped: every row moved by rank 0's gradient halved (0.02-0.05 off DDP), silently."""
-    for message in run_on_ranks(2, frozen_on_one_rank_case, mode, when, timeout=120):
+    expert its tokens skipped: every row moved by rank 0's gradient halved (0.02-0.05 off DDP), silently.  A
+    kept-whole parameter (the bias here) had the same flags in the replicated gradients' all-reduce."""
+    for message in run_on_ranks(2, frozen_on_one_rank_case, mode, when, which, timeout=120):
         assert "ranks diverged" in message, message
-        if mode == "overlapped":
-            assert "frozen: 1, first '0.0.weight'" in message and "requires_grad must be the same" in message, message
+        if mode == "overlapped" or which == "bias":
+            assert f"frozen: 1, first '0.0.{which}'" in message and "requires_grad must be the same" in message, message

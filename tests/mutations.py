@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "row_write_back_onto_itself_refused": Mutation(
+        "shardtensor/_dispatch/local.py", "_copy",
+        "        return dst  # a copy onto itself: Python's write-back of ``w[i] += c``, whose add_ already landed",
+        "        pass",
+        ("tests/test_composability.py::test_writes_through_row_views_land_on_the_rows_owner",)),
     "frozen_set_left_out_of_the_unit_identity": Mutation(
         "shardtensor/reduce.py", "frozen_in_label",
         "    if not frozen:", "    if True:",

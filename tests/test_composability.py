@@ -213,6 +213,8 @@ def padding_rows_case(vocab: int, padding_idx: int) -> dict:
             target[-1].fill_(2.5)
             target[1:vocab - 1:1].mul_(3.0)
             target[vocab // 2:].add_(1.0)
+            target[padding_idx] += 0.5  # Python writes the view back: copy_ of the row onto itself
+            target[: vocab // 2] *= 2.0
     same_writes = torch.equal(w.full_tensor(), ref)
     return {"same_init": same_init, "same_writes": same_writes, "padding_row_zero": padding_row_zero}
 
@@ -221,6 +223,7 @@ def padding_rows_case(vocab: int, padding_idx: int) -> dict:
 def test_writes_through_row_views_land_on_the_rows_owner(world):
     # BERT's word embeddings have padding_idx=0: their reset_parameters() (and Hugging Face's init) zero that row
     # through weight[padding_idx]; materialize() refused it before.  Rows on every rank, first, middle and last.
+    # ``w[i] += c`` (helper E) landed, then its write-back was refused as "would drop the update silently".
     for vocab, padding_idx in [(9, 0), (9, 4), (10, 9)]:
         for out in run_on_ranks(world, padding_rows_case, vocab, padding_idx):
             assert out == {"same_init": True, "same_writes": True, "padding_row_zero": True}, (vocab, padding_idx, out)

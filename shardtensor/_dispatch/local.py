@@ -301,6 +301,8 @@ def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, ShardedParam):
         return compute(func, args, kwargs)  # plain.copy_(sharded): gather the source
+    if isinstance(src, ShardedParam) and src._local is dst._local and src._views == dst._views:
+        return dst  # a copy onto itself: Python's write-back of ``w[i] += c``, whose add_ already landed
     if dst._views:
         if not _whole_base_reshape(dst):
             if _backward_temporaries([dst]):  # householder_product's / ormqr's backward fill a temporary's columns

@@ -268,6 +268,13 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
                 "such as weight_norm, spectral_norm or register_parametrization moves it, as does del): the "
                 "tensors that replace it are not sharded and their gradients are not averaged across ranks. Fix: "
                 "apply parametrizations before shard_module.")
+        if isinstance(current, ShardedParam) and current._gatherer is gatherer \
+                and not any(current is other for _, _, other in owners):  # p.detach().requires_grad_()
+            raise RuntimeError(
+                f"shardtensor: parameter {fqn!r} was replaced after shard_module by a tensor made from the sharded "
+                f"parameters ({current._name!r}: p.detach().requires_grad_(), a clone), as torch.func.functional_call"
+                "(model, copies, ...) does: their gradients would reach no reduction. Fix: pass the parameters "
+                "themselves (dict(model.named_parameters())), or evaluate the copies under torch.no_grad().")
         if isinstance(current, ShardedParam) and current._gatherer is gatherer:  # another of this model's
             raise RuntimeError(
                 f"shardtensor: parameter {fqn!r} was replaced after shard_module by the model's own "
@@ -283,7 +290,9 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
             "schedule, so gradients would "
             "silently stop being averaged across ranks. Fix: move or convert the model before shard_module (or "
             "shard a fresh model and load shardtensor.full_state_dict into it); functional_call takes the sharded "
-            "parameters themselves.")
+            "parameters themselves. Where the model's own forward converts a submodule (a router that runs "
+            "self.classifier.to(torch.float32) every call), convert that submodule to that dtype before "
+            "shard_module.")
 
 
 def rehook_swapped(owners: list, impls: dict) -> None:

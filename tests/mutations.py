@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "detached_copies_named_as_a_tie": Mutation(
+        "shardtensor/_misuse.py", "check_not_moved",
+        "                and not any(current is other for _, _, other in owners):  # p.detach().requires_grad_()",
+        "                and False:",
+        ("tests/test_reliability.py::test_functional_call_with_detached_copies_under_grad_names_functional_call",)),
     "row_write_back_onto_itself_refused": Mutation(
         "shardtensor/_dispatch/local.py", "_copy",
         "        return dst  # a copy onto itself: Python's write-back of ``w[i] += c``, whose add_ already landed",

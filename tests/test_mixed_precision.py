@@ -175,3 +175,34 @@ def test_autocast_layer_norm_with_a_low_precision_input_equals_the_unsharded_mod
     # raised "expected scalar type Float but found BFloat16" and the forward was a few bf16 ulps off (3e-2)
     for worst in run_on_ranks(2, _autocast_layer_norm_after_linear, gather):
         assert worst < 1e-5, worst
+
+
+class _CastsToWeightDtype(nn.Module):
+    """Hugging Face's pattern (``hidden_states.to(self.wo.weight.dtype)``): the input cast to what the weight
+    says its dtype is."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nn.functional.linear(x.to(self.lin.weight.dtype), self.lin.weight)
+
+
+def casts_to_weight_dtype_case() -> str:
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_CastsToWeightDtype(), param_dtype=torch.bfloat16)
+    try:
+        model(torch.randn(2, 4))
+    except RuntimeError as exc:
+        return "\n".join(getattr(exc, "__notes__", []))
+    return "no error"
+
+
+def test_param_dtype_under_code_that_casts_to_weight_dtype_names_the_fix():
+    """Helper C: Mixtral's grouped_mm experts and Switch's ``.to(self.wo.weight.dtype)`` failed with torch's
+    "expected m1 and m2 to have the same dtype" and no word of why: the gathered weight is bf16, ``.dtype`` fp32."""
+    for notes in run_on_ranks(2, casts_to_weight_dtype_case):
+        assert "'lin.weight' is gathered in torch.bfloat16" in notes and "torch.autocast instead" in notes, notes

@@ -760,6 +760,16 @@ def test_weights_tied_after_sharding_are_named_as_such():
         model(torch.randn(2, 3))
 
 
+def test_functional_call_with_detached_copies_under_grad_names_functional_call():
+    """Helper E: ``functional_call(model, {k: v.detach().requires_grad_()})`` was named as weights tied after
+    sharding."""
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    copies = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"replaced after shard_module by a tensor made from the sharded "
+                                           r"parameters.*functional_call.*Fix: pass the parameters themselves"):
+        torch.func.functional_call(model, copies, (torch.randn(2, 3),))
+
+
 def functional_call_eval_case() -> dict:
     """An EMA copy evaluated with ``torch.func.functional_call`` under ``no_grad``: its plain full tensors (or
     clones of the shards) in place of the parameters for one call."""

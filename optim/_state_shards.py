@@ -40,7 +40,15 @@ def local_rows(optimizer_name: str, states: list) -> list:
     refusal: Optional[str] = None
     group, shards_given = None, False
     for param, state in states:
+        rows_shape = param.to_local().shape if is_sharded(param) else param.shape
         for key, value in state.items():
+            if refusal is None and isinstance(value, torch.Tensor) and not is_sharded(value) and value.dim() > 0 \
+                    and value.shape not in (param.shape, rows_shape):  # (a copy_ failed half-way, naming no key)
+                refusal = (f"{optimizer_name}.load_state_dict: state {key!r} of "
+                           f"{getattr(param, '_name', None) or tuple(param.shape)!r} has shape {tuple(value.shape)}, "
+                           f"but the parameter is {tuple(param.shape)} ({tuple(rows_shape)} on this rank): a state "
+                           "dict of another model or parameter order. Nothing was loaded. Fix: load the state "
+                           "saved with this model.")
             if not is_sharded(value) or not is_sharded(param):
                 continue
             shards_given, group = True, param.shard_layout.group
@@ -63,6 +71,8 @@ def local_rows(optimizer_name: str, states: list) -> list:
             if refusal is None:
                 raise
             raise RuntimeError(refusal) from None
+    if refusal is not None:
+        raise RuntimeError(refusal)
     rows = {(id(s.param), s.key): own_rows(s.param, s.value) for s in full}
     return [(param, {k: rows.get((id(param), k), v.to_local() if is_sharded(v) else v) for k, v in state.items()})
             for param, state in states]

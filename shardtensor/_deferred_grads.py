@@ -1,8 +1,8 @@
 """Gradients kept aside while ``gradient_sync`` is off (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``).
 
 ``GradSync`` inherits these: the side buffers live on it (``_deferred``: key -> summed full local gradient,
-``_deferred_at``: key -> its last deferral's stamp, ``_held``: key -> the ``.grad`` shard that stood for it at
-the end of its backward), and a synced backward takes them through its hooks.  They are a module of their own
+``_deferred_at``: key -> its last deferral's stamp, ``_deferred_now``: keys deferred since the last end of a
+deferring backward), and a synced backward takes them through its hooks.  They are a module of their own
 because their rules (what a script's writes into ``.grad`` do to them, which buffer a later micro-batch starts
 afresh) are their own, apart from how a gradient is reduced.
 """
@@ -21,7 +21,7 @@ class DeferredGradients:
 
     _deferred: dict
     _deferred_at: dict
-    _held: dict
+    _deferred_now: set
 
     # [Note: deferred gradient sync]
     # ``shardtensor.gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the
@@ -34,13 +34,14 @@ class DeferredGradients:
         """Add ``grad`` to ``key``'s buffer; ``owner``: (sharded parameter, its layout)."""
         kept = self._deferred.get(key)
         if kept is not None:
-            kept = _grad_edits.as_edited(owner[0], kept, self.deferred_at(key), self._held.pop(key, None))
+            kept = _grad_edits.as_edited(owner[0], kept, self.deferred_at(key))
         if kept is None:
             self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
         else:
             kept.add_(grad)
         self._deferred_at[key] = _grad_edits.deferral_stamp()
         _misuse.note_deferred(self, key, owner)  # opt.step() refuses to run while this is deferred
+        self._deferred_now.add(key)  # its .grad shard gets a fresh scale log at the end of this backward
         task = torch._C._current_graph_task_id()
         if task != -1 and self._holders_queued_for != task:
             self._holders_queued_for = task
@@ -48,11 +49,14 @@ class DeferredGradients:
         return grad
 
     def _remember_holders(self) -> None:
-        """End of a deferring backward: which shard each deferral's ``.grad`` holds (AccumulateGrad is done)."""
+        """End of a deferring backward: the ``.grad`` shards of the keys it deferred (AccumulateGrad is done) get a
+        fresh scale log; a key it did not reach (an expert skipped, a reentrant checkpoint's inner backward) keeps
+        the log of scales written since its own (helper F: they were reset, and the scale lost)."""
         owners = self.__dict__.get("_deferred_owner", {})
-        for key in self._deferred:
-            if key in owners:
-                self._held[key] = _grad_edits.remember_holder(owners[key][0])
+        now, self._deferred_now = self._deferred_now, set()
+        for key in now:
+            if key in owners and key in self._deferred:
+                _grad_edits.remember_holder(owners[key][0])
 
     def _with_deferred(self, key: str, grad: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:
         kept = self._deferred.pop(key, None) if self._deferred else None
@@ -65,7 +69,7 @@ class DeferredGradients:
     def take_deferred(self, key: str, kept: torch.Tensor, param) -> Optional[torch.Tensor]:
         """``key``'s deferred sum, popped from ``_deferred``, as the script's writes into ``.grad`` left it
         (``None``: thrown away); its deferral is over."""
-        kept = _grad_edits.as_edited(param, kept, self.deferred_at(key), self._held.pop(key, None))
+        kept = _grad_edits.as_edited(param, kept, self.deferred_at(key))
         _grad_edits.forget_holder(param)
         return kept
 

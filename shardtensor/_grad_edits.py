@@ -10,20 +10,25 @@ or ``p.grad = x`` replaces it.  A sharded parameter keeps that sum aside instead
 placeholder and, unseen, left the sum to be reduced as it was: silently wrong numbers.  So the writes are watched
 where they happen, in the op table, and the sum is brought up to date before it is next used:
 
-- zeros or a copy over a whole shard (``zero_``, ``_foreach_zero_``, ``fill_(0)``, ``p.grad[:] = 0``,
-  ``copy_``) stamp the shard (``note_overwritten``): a deferral older than the stamp is thrown away, and what was
-  written stays in ``.grad``, as under DDP.  ``.grad.data`` and ``detach()`` share the shard, so writes through
-  them count; a write through a row view (``grad[pad].zero_()``) does not;
+- zeros over a whole shard (``zero_``, ``_foreach_zero_``, ``fill_(0)``, ``p.grad[:] = 0``) stamp the shard
+  (``note_overwritten``): a deferral older than the stamp is thrown away.  ``.grad.data`` and ``detach()`` share
+  the shard, so writes through them count; a write through a row view (``grad[pad].zero_()``) does not;
 - a scale by a scalar over a whole shard (``mul_``, ``div_``, ``_foreach_mul_``; ``clip_grad_norm_``'s
-  coefficient) is logged on a shard that holds a deferral (``note_scaled``) and applied to the sum;
-- a new tensor assigned to ``.grad`` is seen by identity: the end of each deferring backward remembers which
-  shard ``.grad`` holds (``remember_holder``, after AccumulateGrad, which replaces ``.grad`` under
-  ``create_graph``); another one there later means the script replaced it.
+  coefficient) is logged on the shard that holds a deferral and applied to the sum.  The end of each deferring
+  backward gives the shards of the parameters it deferred an empty log (``remember_holder``: after
+  AccumulateGrad, which replaces ``.grad`` under ``create_graph``); a parameter that backward did not reach (an
+  expert skipped, a reentrant checkpoint's inner backward) keeps its log.
+
+A ``copy_`` into ``.grad`` or a new tensor assigned to it is not taken for a replacement (taking it so, as a
+first attempt did, threw the sum away under ``p.grad = p.grad.clone()``): such writes are mostly computed from
+``.grad`` itself, that is from the placeholder's zeros, and keeping the sum gives DDP's result where they copy
+or add to it (``clone()``, ``+ c``); one not linear in it (a clamp that binds, ``nan_to_num`` of a NaN) or
+independent of it (``copy_(x)``) differs from DDP (README, Limits).
 
 ``None`` in ``.grad`` means ``zero_grad(set_to_none=True)`` ran (a deferring backward leaves the placeholder).
 A kept-whole parameter defers nothing: its ``.grad`` sums this rank's gradients as under DDP (see [Note:
-replicated gradients] in reduce.py), so every write into it is what DDP sees.  What is not repaired: a read of
-``.grad`` there (a clip's norm) sees the placeholder's zeros, as under FSDP2.
+replicated gradients] in reduce.py), so every write into it is what DDP sees.  A read of ``.grad`` there (a clip's
+norm) sees the placeholder's zeros, as under FSDP2.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def deferral_stamp() -> int:
 
 
 def note_overwritten(tensors) -> None:
-    """Zeros or a copy were written over each of ``tensors`` (whole shards; ``None`` entries are skipped)."""
+    """Zeros were written over each of ``tensors`` (whole shards; ``None`` entries are skipped)."""
     stamp = next(_clock)
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
@@ -72,28 +77,24 @@ def _holder(param) -> Optional[torch.Tensor]:
     return None if grad is None else getattr(grad, "_local", grad)  # (a shard: its _local)
 
 
-def remember_holder(param) -> Optional[weakref.ref]:
-    """End of a deferring backward: the shard ``param.grad`` holds now, with an empty scale log."""
+def remember_holder(param) -> None:
+    """End of a deferring backward that reached ``param``: the shard its ``.grad`` holds now gets an empty log."""
     holder = _holder(param)
     if holder is None:
-        return None
+        return
     setattr(holder, _SCALES, [])
     key = id(holder)
     _LOGGING[key] = weakref.ref(holder, lambda _, key=key: _LOGGING.pop(key, None))
-    return _LOGGING[key]
 
 
-def as_edited(param, kept: torch.Tensor, since: int, held: Optional[weakref.ref]) -> Optional[torch.Tensor]:
-    """``kept`` (the deferred sum of ``param``'s gradient, deferred at ``since``, its ``.grad`` shard then
-    ``held``) after what the script did to ``.grad`` since: ``None`` if thrown away or replaced, else ``kept``
-    scaled in place.  Consumes the scale log."""
+def as_edited(param, kept: torch.Tensor, since: int) -> Optional[torch.Tensor]:
+    """``kept`` (the deferred sum of ``param``'s gradient, deferred at ``since``) after what the script did to
+    ``.grad`` since: ``None`` if thrown away, else ``kept`` scaled in place.  Consumes the scale log."""
     if param is None:
         return kept
     holder = _holder(param)
     if holder is None or getattr(holder, _OVERWRITTEN_AT, 0) > since:
-        return None  # zero_grad(), zeros or a copy written over it
-    if held is not None and held() is not holder:
-        return None  # p.grad = something else
+        return None  # zero_grad(), or zeros written over it
     scales = getattr(holder, _SCALES, None)
     if scales:
         for factor, divide in scales:

@@ -167,8 +167,8 @@ class GradSync(DeferredGradients):
         self._finish_queued_for = None  # the backward (graph task) whose end-of-backward callback is queued
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self._deferred_at: dict[str, int] = {}  # key -> its last deferral's stamp (zero_grad since throws it away)
-        self._held: dict[str, object] = {}  # key -> weak reference to its .grad shard at its backward's end
-        self._holders_queued_for = None  # the deferring backward whose end remembers those shards
+        self._deferred_now: set[str] = set()  # keys deferred since the last end of a deferring backward
+        self._holders_queued_for = None  # the deferring backward whose end gives their .grad shards a scale log
         self._local_sums: set[int] = set()  # kept-whole parameters whose .grad got gradients while sync was off
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
         self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable

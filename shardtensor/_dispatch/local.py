@@ -320,7 +320,6 @@ def _copy(func, args, kwargs):
         if src._layout == dst._layout and not src._views:
             dst._local.copy_(src._local)
             _mark_written((dst,))
-            _note_copied(dst)
             return dst
         src = gather_full(src)
     if src.dim() == 0 or src.shape != dst.shape:
@@ -333,15 +332,7 @@ def _copy(func, args, kwargs):
     with torch.no_grad():
         dst._layout.copy_own_rows(dst._local, src)
     _mark_written((dst,))
-    _note_copied(dst)
     return dst
-
-
-def _note_copied(dst: ShardedParam) -> None:
-    """``p.grad.copy_(x)`` between ``no_sync`` micro-batches replaces the deferred sum; a copy inside a backward
-    is AccumulateGrad cloning a gradient under ``create_graph`` (the sum stands)."""
-    if torch._C._current_graph_task_id() == -1:
-        _grad_edits.note_overwritten([_whole_shard(dst)])
 
 
 @implements([aten.eye.out, aten.eye.m_out])

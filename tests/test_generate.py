@@ -42,6 +42,8 @@ def test_generate_with_different_lengths_per_rank_names_synced_gpus():
     results = run_on_ranks(2, generate_case, False)
     assert all("DivergenceError" in r.get("message", "") for r in results), results
     assert "synced_gpus=True" in results[1]["message"], results  # the rank still generating
+    # and the rank that finished first (helper C: its error came at its next collective, without the fix)
+    assert "synced_gpus=True" in results[0]["message"], results
 
 
 def test_generate_with_synced_gpus_equals_the_unsharded_model():

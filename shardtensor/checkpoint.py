@@ -219,6 +219,9 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     group, directory = _group(module), Path(path)
     _same_path_on_every_rank(path, group, "save_checkpoint")
     state = {_MODEL: get_model_state_dict(module)}  # ShardedParams: DCP saves their rows (see the Note above)
+    if _comm.rank(group) != 0:  # whole tensors (buffers, kept-whole parameters) are rank 0's, as DDP's buffers:
+        state[_MODEL] = {k: v for k, v in state[_MODEL].items()  # DCP wrote each from whichever rank it chose,
+                         if isinstance(v, ShardedParam) or not isinstance(v, torch.Tensor)}  # BatchNorm's mixed
     if optimizer is not None:
         error = ""
         try:

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "whole_tensors_saved_from_any_rank": Mutation(
+        "shardtensor/checkpoint.py", "save_checkpoint",
+        "    if _comm.rank(group) != 0:  # whole tensors", "    if False:  # whole tensors",
+        ("tests/test_checkpoint.py::test_buffers_saved_are_rank_0s_on_every_rank",)),
     "generate_fix_only_where_generate_still_runs": Mutation(
         "shardtensor/_comm_divergence.py", "_raise_divergence",
         "        text = _IN_GENERATE + text", "        pass",

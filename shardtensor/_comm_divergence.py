@@ -337,8 +337,9 @@ def divergences_named() -> int:
 def _raise_divergence(records: list, text: str, group, pos: _Position, all_gather):
     _divergences[0] += 1
     world = len(records)
-    if inside("generate", "transformers"):  # so a rank already out of its generate() names the fix too
-        text = _IN_GENERATE + text
+    for function, file_part, marker, _ in _CALLERS:  # so a rank already out of that call names the fix too
+        if inside(function, file_part):
+            text = marker + text
     encoded = text.encode()[:_LABEL_BYTES]
     mine = torch.zeros(_LABEL_BYTES, dtype=torch.uint8)
     mine[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
@@ -355,15 +356,19 @@ def _raise_divergence(records: list, text: str, group, pos: _Position, all_gathe
         f"shardtensor rank {ranks[me]}: ranks diverged at collective #{pos.seq} on group {pos.tag}: rank "
         f"{ranks[me]} is about to run {texts[me]!r} but rank {ranks[first]} runs {texts[first]!r}; no data was "
         f"exchanged.\n" + "\n".join(lines) + f"\n{_REPLICATED_FIX if any(_REPLICATED in t for t in texts) else _FIX}"
-        + (_GENERATE_FIX if any(t.startswith(_IN_GENERATE) for t in texts) else "")
+        + "".join(fix for _, _, marker, fix in _CALLERS if any(marker in t for t in texts))
     )
 
 
 # transformers' ``generate`` stops at each rank's own end of sequence, so ranks run different numbers of forwards;
 # DeepSpeed ZeRO-3 and FSDP users pass ``synced_gpus=True`` (a finished rank runs dummy forwards until all end).
-_IN_GENERATE = "(in generate()) "
 _GENERATE_FIX = (" In transformers' generate(): each rank stops at its own end of sequence. Fix: "
                  "model.generate(..., synced_gpus=True), as with DeepSpeed ZeRO-3 and FSDP.")
+_FULLY_SHARD_FIX = (" In FSDP2's fully_shard(), on a model shard_module already sharded: the two shard the same "
+                    "parameters. Fix: use one of them (shardtensor.unshard_module(model) first for FSDP2).")
+# (function, file, the mark a rank inside it puts on its label, the fix every rank then adds)
+_CALLERS = [("generate", "transformers", "(in generate()) ", _GENERATE_FIX),
+            ("fully_shard", "torch/distributed", "(in fully_shard()) ", _FULLY_SHARD_FIX)]
 
 
 # A replicated gradient averaged when its hook fires (not in the end-of-backward reduction, which takes every

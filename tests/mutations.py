@@ -34,7 +34,7 @@ MUTATIONS = {
         ("tests/test_checkpoint.py::test_buffers_saved_are_rank_0s_on_every_rank",)),
     "generate_fix_only_where_generate_still_runs": Mutation(
         "shardtensor/_comm_divergence.py", "_raise_divergence",
-        "        text = _IN_GENERATE + text", "        pass",
+        "            text = marker + text", "            pass",
         ("tests/test_generate.py::test_generate_with_different_lengths_per_rank_names_synced_gpus",)),
     "scale_log_reset_for_parameters_the_backward_skipped": Mutation(
         "shardtensor/_deferred_grads.py", "_remember_holders",
@@ -261,7 +261,7 @@ MUTATIONS = {
         ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",)),
     "generate_divergence_without_synced_gpus_fix": Mutation(
         "shardtensor/_comm_divergence.py", "_raise_divergence",
-        '        + (_GENERATE_FIX if any(t.startswith(_IN_GENERATE) for t in texts) else "")', '        + ""',
+        '        + "".join(fix for _, _, marker, fix in _CALLERS if any(marker in t for t in texts))', '        + ""',
         ("tests/test_generate.py::test_generate_with_different_lengths_per_rank_names_synced_gpus",)),
     "parametrization_after_sharding_unnamed": Mutation(
         "shardtensor/_dispatch/refusals.py", "_refuse",

@@ -197,6 +197,37 @@ def test_fully_shard_per_block_then_shard_module_names_that_habit():
         assert "fully_shard (FSDP2) already shards '0'" in message and "drop fully_shard" in message, message
 
 
+class _GainedLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.gain = nn.Linear(4, 6), nn.Parameter(torch.ones(1))  # a one-row parameter
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+def fully_shard_over_sharded_case(mode: str) -> str:
+    """The other order: ``fully_shard`` on a model ``shard_module`` already sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_GainedLinear(), gather=mode)
+    try:
+        fully_shard(model)
+        model(torch.randn(2, 4)).sum().backward()
+    except shardtensor.DivergenceError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+def test_fully_shard_over_a_sharded_model_names_fsdp2_on_every_rank(mode):
+    """Helper E: a DivergenceError of gathers with advice about ``if rank == 0:`` code and MoE routing, while one
+    rank was still inside fully_shard."""
+    for message in run_on_ranks(2, fully_shard_over_sharded_case, mode):
+        assert "In FSDP2's fully_shard()" in message and "unshard_module" in message, message
+
+
 # ------------------------------------------------------------------------------ damaged checkpoints: all or nothing
 def _snapshot(model, opt) -> dict:
     return {"model": shardtensor.full_state_dict(model), "optim": _full_optimizer_state(model, opt),

@@ -164,6 +164,12 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
                 f"parameters (first {next(iter(params))!r}): they would lose their gradient hooks and gathers. "
                 "Nothing was copied on any rank. Fix: load without assign=True (each rank copies its rows of the "
                 "full tensors in place); for a meta-device model, shardtensor.materialize(model) first.")
+        elif any(p._local.is_meta for p in params.values()):
+            name = next(n for n, p in params.items() if p._local.is_meta)
+            refusal = ValueError(
+                f"load_state_dict: sharded parameter {name!r} is still on the meta device (the model was built under "
+                "torch.device('meta')), so there are no rows to copy into. Nothing was copied on any rank. Fix: "
+                "shardtensor.materialize(model, device=...) first (shardtensor's to_empty), then load.")
         elif errors:
             owner = type(module if caller is None else caller).__name__
             refusal = RuntimeError(

@@ -432,3 +432,28 @@ def test_hugging_face_gpt2_trains_like_unsharded(reentrant_checkpointing):
         assert tied
         assert losses == pytest.approx(ref_losses, rel=1e-10), (losses, ref_losses)
         assert diff < 1e-10, diff
+
+
+def load_into_meta_case() -> dict:
+    """A meta-device model sharded and loaded without ``materialize`` (FSDP2's recipe has ``to_empty`` there)."""
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)).state_dict()
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    shardtensor.shard_module(model)
+    try:
+        model.load_state_dict(full)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    shardtensor.materialize(model, device="cpu")
+    model.load_state_dict(full)  # the way out works
+    loaded = shardtensor.full_state_dict(model)
+    return {"message": message, "loaded": all(torch.equal(loaded[k], v) for k, v in full.items())}
+
+
+def test_a_load_into_a_meta_model_names_materialize():
+    """Helper D: torch's "Cannot copy out of meta tensor; no data!", naming no parameter and no fix."""
+    for out in run_on_ranks(2, load_into_meta_case):
+        assert "'0.weight' is still on the meta device" in out["message"], out
+        assert "shardtensor.materialize" in out["message"] and out["loaded"], out

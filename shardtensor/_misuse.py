@@ -285,7 +285,8 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
             if isinstance(current, torch.Tensor) else repr(current)
         raise RuntimeError(
             f"shardtensor: parameter {fqn!r} was converted or replaced after shard_module (now {what}): "
-            "model.to(...)/.double()/.half()/.cuda(), FSDP2's fully_shard, load_state_dict(assign=True) or "
+            "model.to(...)/.double()/.half()/.cuda()/.to_empty(...) (after meta init, shardtensor.materialize("
+            "model, device=...) is to_empty for a sharded model), FSDP2's fully_shard, load_state_dict(assign=True) or "
             "torch.func.functional_call with plain tensors on a sharded model drops its gradient hook and gather "
             "schedule, so gradients would "
             "silently stop being averaged across ranks. Fix: move or convert the model before shard_module (or "

@@ -457,3 +457,22 @@ def test_a_load_into_a_meta_model_names_materialize():
     for out in run_on_ranks(2, load_into_meta_case):
         assert "'0.weight' is still on the meta device" in out["message"], out
         assert "shardtensor.materialize" in out["message"] and out["loaded"], out
+
+
+def to_empty_case() -> str:
+    """FSDP2's recipe after meta init, ``model.to_empty(device=...)``, on a sharded model."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    shardtensor.shard_module(model)
+    model.to_empty(device="cpu")
+    try:
+        model(torch.randn(2, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_to_empty_after_meta_init_names_materialize():
+    """Helper D: the message spoke of conversions before shard_module, not of to_empty or materialize."""
+    for message in run_on_ranks(2, to_empty_case):
+        assert "to_empty" in message and "shardtensor.materialize(model, device=...)" in message, message

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "held_reads_in_full_in_every_unit": Mutation(
+        "shardtensor/_dispatch/local.py", "_held_in_full",
+        '            if held is not None and getattr(held.unit, "routes_by_data", False):',
+        "            if held is not None:",
+        ("tests/test_mixed_precision.py::test_autocast_keeps_no_gathered_weight_from_forward_to_backward",)),
     "load_into_meta_shards_unnamed": Mutation(
         "shardtensor/_agreement.py", "agree_on_load",
         "        elif any(p._local.is_meta for p in params.values()):", "        elif False:",

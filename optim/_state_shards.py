@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from shardtensor._full_optim_state import agree_on_full_state, full_states, own_rows
+from shardtensor._full_optim_state import agree_on_full_state, full_states, own_rows, shaped_for_another_parameter
 from shardtensor._torch_state_dict import full_optimizer_state_for_torch_helpers  # noqa: F401  (CPUAdam.state_dict)
 
 from ._slots import is_sharded
@@ -40,15 +40,12 @@ def local_rows(optimizer_name: str, states: list) -> list:
     refusal: Optional[str] = None
     group, shards_given = None, False
     for param, state in states:
-        rows_shape = param.to_local().shape if is_sharded(param) else param.shape
         for key, value in state.items():
-            if refusal is None and isinstance(value, torch.Tensor) and not is_sharded(value) and value.dim() > 0 \
-                    and value.shape not in (param.shape, rows_shape):  # (a copy_ failed half-way, naming no key)
+            if refusal is None and not is_sharded(value) and shaped_for_another_parameter(param, value):
                 refusal = (f"{optimizer_name}.load_state_dict: state {key!r} of "
                            f"{getattr(param, '_name', None) or tuple(param.shape)!r} has shape {tuple(value.shape)}, "
-                           f"but the parameter is {tuple(param.shape)} ({tuple(rows_shape)} on this rank): a state "
-                           "dict of another model or parameter order. Nothing was loaded. Fix: load the state "
-                           "saved with this model.")
+                           f"but the parameter is {tuple(param.shape)}: a state dict of another model or parameter "
+                           "order. Nothing was loaded. Fix: load the state saved with this model.")
             if not is_sharded(value) or not is_sharded(param):
                 continue
             shards_given, group = True, param.shard_layout.group

@@ -43,6 +43,19 @@ def is_full_state(param: torch.Tensor, value, kept_local_alike: bool) -> bool:
     return value.shape == param.shape and (value.shape != param._layout.local_shape() or not kept_local_alike)
 
 
+def shaped_for_another_parameter(param: torch.Tensor, value) -> bool:
+    """Whether optimizer state ``value`` is a moment of another shape than ``param`` (whole, or this rank's rows):
+    a state dict of another model or parameter order.  Refused before anything changes: the step (or CPUAdam's
+    load) failed at that parameter with torch's size error, after updating the ones before it."""
+    from .tensor import ShardedParam
+
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    shape = value._layout.shape if isinstance(value, ShardedParam) else value.shape
+    rows = param._layout.local_shape() if isinstance(param, ShardedParam) else param.shape
+    return len(shape) == param.dim() and shape not in (param.shape, rows)
+
+
 def full_states(states: list, kept_local_alike: bool) -> list[FullState]:
     """The full state tensors among ``states`` (``(param, state dict)`` pairs), in their order."""
     return [FullState(param._name, param, key, value) for param, state in states for key, value in state.items()

@@ -163,7 +163,7 @@ def flush_deferred(grad_sync) -> None:
     for key in [k for k in grad_sync._deferred if k in owners and isinstance(owners[k][1], ShardLayout)]:
         param, where = owners.pop(key)
         kept = grad_sync.take_deferred(key, grad_sync._deferred.pop(key), param)
-        if kept is None:  # zero_grad() threw it away, or the script replaced .grad
+        if kept is None:  # zero_grad() threw it away
             continue
         shard = grad_sync.strategy.reduce_grad(kept, where, key=key, dtype=param.dtype, owned=True, overlap=False)
         grad = ShardedParam(_grad_landing.run_tensor_hooks(param, shard.to(param.dtype)), where, name=key)

@@ -22,7 +22,8 @@ from typing import Iterable
 import torch
 
 from . import _comm
-from ._full_optim_state import FullState, agree_on_full_state, is_full_state, own_rows
+from ._full_optim_state import FullState, agree_on_full_state, is_full_state, own_rows, \
+    shaped_for_another_parameter
 from ._misuse import _DEFERRING
 from ._torch_state_dict import full_optimizer_state_for_torch_helpers
 
@@ -181,7 +182,7 @@ def _state_of_another_rank(optimizer: torch.optim.Optimizer) -> tuple:
             for key, value in optimizer.state[p].items():
                 if is_full_state(p, value, kept_local_alike):
                     full.append(FullState(p._name, p, key, value))
-                elif _shaped_for_another_parameter(p, value):
+                elif shaped_for_another_parameter(p, value):
                     return (f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of {p._name!r} has shape "
                             f"{tuple(value.shape)}, but the parameter is {tuple(p.shape)}: a state dict of another "
                             "model (or of another parameter order). Nothing was updated on any rank. Fix: load the "
@@ -198,13 +199,6 @@ def _state_of_another_rank(optimizer: torch.optim.Optimizer) -> tuple:
                         "the same world size, or shardtensor.save_checkpoint(dir, model, opt) / load_checkpoint "
                         "(any world size).", loaded, group, full)
     return None, loaded, group, full
-
-
-def _shaped_for_another_parameter(param, value) -> bool:
-    """A moment of another shape (a state dict of another model): the step would fail at that parameter, after
-    updating the ones before it."""
-    shape = getattr(value, "_layout", None).shape if hasattr(value, "_layout") else getattr(value, "shape", None)
-    return shape is not None and len(shape) == param.dim() and shape not in (param.shape, param._layout.local_shape())
 
 
 def _keep_own_rows_of_full_state(optimizer: torch.optim.Optimizer, full: list) -> None:

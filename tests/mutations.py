@@ -51,8 +51,8 @@ MUTATIONS = {
         ("tests/test_sync_habits.py::test_a_scale_survives_a_micro_batch_that_does_not_reach_the_parameter",)),
     "cpu_adam_moment_of_another_shape_loaded": Mutation(
         "optim/_state_shards.py", "local_rows",
-        "                    and value.shape not in (param.shape, rows_shape):  # (a copy_ failed half-way, naming no key)",
-        "                    and False:",
+        "            if refusal is None and not is_sharded(value) and shaped_for_another_parameter(param, value):",
+        "            if False:",
         ("tests/test_full_optim_state.py::test_a_moment_of_another_shape_is_refused_before_anything_is_updated",)),
     "detached_copies_named_as_a_tie": Mutation(
         "shardtensor/_misuse.py", "check_not_moved",
@@ -78,8 +78,8 @@ MUTATIONS = {
         "        return super().__dlpack__(*args, **kwargs)",
         ("tests/test_errors_and_repr.py::test_dlpack_exports_are_refused_like_host_copies",)),
     "moment_of_another_shape_stepped_on": Mutation(
-        "shardtensor/_misuse_optim.py", "_shaped_for_another_parameter",
-        "    return shape is not None and len(shape) == param.dim() and shape not in (param.shape, param._layout.local_shape())",
+        "shardtensor/_full_optim_state.py", "shaped_for_another_parameter",
+        "    return len(shape) == param.dim() and shape not in (param.shape, rows)",
         "    return False",
         ("tests/test_full_optim_state.py::test_a_moment_of_another_shape_is_refused_before_anything_is_updated",)),
     "full_optimizer_state_at_world_1_taken_for_rows": Mutation(

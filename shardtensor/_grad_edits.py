@@ -19,16 +19,20 @@ where they happen, in the op table, and the sum is brought up to date before it 
   AccumulateGrad, which replaces ``.grad`` under ``create_graph``); a parameter that backward did not reach (an
   expert skipped, a reentrant checkpoint's inner backward) keeps its log.
 
-A ``copy_`` into ``.grad`` or a new tensor assigned to it is not taken for a replacement (taking it so, as a
-first attempt did, threw the sum away under ``p.grad = p.grad.clone()``): such writes are mostly computed from
-``.grad`` itself, that is from the placeholder's zeros, and keeping the sum gives DDP's result where they copy
-or add to it (``clone()``, ``+ c``); one not linear in it (a clamp that binds, ``nan_to_num`` of a NaN) or
-independent of it (``copy_(x)``) differs from DDP (README, Limits).
+Anything else a script does with such a ``.grad`` outside a backward is refused with ``ShardedOpError`` naming
+the parameter (``refusal_of_use_of_pending``): a read (a clip's norm, ``nan_to_num``, ``clone()``, logging a norm),
+a write through a row view, a fill with another value, a ``copy_`` into it.  Each of them computed on the
+placeholder's zeros where DDP computes on this rank's sum, and the results differed from DDP silently: a clip
+by norm or value that binds under DDP did nothing, ``p.grad = p.grad / 2`` kept the sum unscaled,
+``p.grad.copy_(x)`` kept it instead of replacing it.  (A first attempt took a ``copy_`` or a new ``.grad`` for a
+replacement and threw the sum away under ``p.grad = p.grad.clone()``: helper F; that read is refused now.)
+Views (``.data``, ``detach()``, ``grad[i]``) and metadata pass, and so does the backward's own work on
+``.grad`` (AccumulateGrad adding the next placeholder), told by the autograd engine's running graph task.
 
 ``None`` in ``.grad`` means ``zero_grad(set_to_none=True)`` ran (a deferring backward leaves the placeholder).
 A kept-whole parameter defers nothing: its ``.grad`` sums this rank's gradients as under DDP (see [Note:
 replicated gradients] in reduce.py), so every write into it is what DDP sees.  A read of ``.grad`` there (a clip's
-norm) sees the placeholder's zeros, as under FSDP2.
+norm) sees DDP's local sum.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 _clock = itertools.count(1)
 _OVERWRITTEN_AT = "_shardtensor_overwritten_at"
 _SCALES = "_shardtensor_scales"  # on a shard holding a deferral: [(factor, divide), ...] written since
+_NAME = "_shardtensor_deferred_name"  # on a shard holding a deferral: its parameter's name, for refusals
 _LOGGING: dict[int, weakref.ref] = {}  # id -> the shards that carry a scale log (tensors do not hash by id)
 
 
@@ -83,6 +88,7 @@ def remember_holder(param) -> None:
     if holder is None:
         return
     setattr(holder, _SCALES, [])
+    setattr(holder, _NAME, getattr(param, "_name", None) or "a sharded parameter")
     key = id(holder)
     _LOGGING[key] = weakref.ref(holder, lambda _, key=key: _LOGGING.pop(key, None))
 
@@ -109,3 +115,71 @@ def forget_holder(param) -> None:
     if holder is not None and hasattr(holder, _SCALES):
         delattr(holder, _SCALES)
         _LOGGING.pop(id(holder), None)
+
+
+def refusal_of_use_of_pending(func, args, kwargs, whole_shard) -> Optional[str]:
+    """Why ``func`` may not run (the op table raises it as ``ShardedOpError``), if it uses a ``.grad`` shard
+    holding a deferral other than by a view, by zeros or a scale by one scalar over the whole shard (see the Note
+    above); else ``None``.  ``whole_shard(t)``: the shard a write into ``t`` covers whole, or ``None``.  Asked for
+    every op while any shard holds a deferral."""
+    pending = _pending_in(args)
+    if pending is None:
+        pending = _pending_in(kwargs.values())
+    if pending is None or func.is_view or torch._C._current_graph_task_id() != -1:
+        return None
+    if func in _KEPT_WRITES and _writes_whole_shards(func, args, kwargs, whole_shard):
+        return None
+    name = getattr(pending, _NAME, "a sharded parameter")
+    return (
+        f"{func} on the .grad of {name!r} between no_sync micro-batches: until the synced backward its gradient "
+        "is summed aside (the .grad shard holds zeros, not DDP's local sum of this rank), so this op would compute "
+        "on zeros and differ from DDP silently. Read, clip, log or replace gradients after the last micro-batch's "
+        "backward, run with sync on (outside no_sync / gradient_sync(model, False)). Between micro-batches, "
+        "zero_grad() and a scale by one scalar (p.grad.mul_(s), div_) act on the sum as under DDP.")
+
+
+def _pending_in(values) -> Optional[torch.Tensor]:
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            found = _pending_in(value)
+            if found is not None:
+                return found
+        elif isinstance(value, torch.Tensor):
+            local = getattr(value, "_local", None)
+            if local is not None and hasattr(local, _SCALES):
+                return local
+    return None
+
+
+def _writes_whole_shards(func, args, kwargs, whole_shard) -> bool:
+    """Zeros, or a scale by one scalar, over whole shards only (every pending shard among the operands is the
+    one written, and through no partial view)."""
+    if kwargs or _pending_in(args[1:]) is not None:
+        return False
+    targets = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
+    if any(whole_shard(t) is None for t in targets):
+        return False  # a write through a row view (grad[pad].zero_())
+    if func.overloadpacket in _ZEROS:
+        value = args[1] if len(args) > 1 else 0
+        return _is_zero(value)
+    return _is_scalar(args[1])
+
+
+def _is_zero(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return type(value) is torch.Tensor and value.dim() == 0 and not bool(value)
+    return value == 0
+
+
+def _is_scalar(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return type(value) is torch.Tensor and value.dim() == 0
+    return not isinstance(value, (list, tuple))
+
+
+_aten = torch.ops.aten
+_ZEROS = {_aten.zero_, _aten._foreach_zero_, _aten.fill_}
+_KEPT_WRITES = {_aten.zero_.default, _aten._foreach_zero_.default, _aten.fill_.Scalar, _aten.fill_.Tensor,
+                _aten.mul_.Scalar, _aten.mul_.Tensor, _aten.div_.Scalar, _aten.div_.Tensor,
+                _aten._foreach_mul_.Scalar, _aten._foreach_mul_.Tensor, _aten._foreach_div_.Scalar,
+                _aten._foreach_div_.Tensor}

@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "pending_grad_read_allowed": Mutation(
+        "shardtensor/_grad_edits.py", "refusal_of_use_of_pending",
+        "    if pending is None or func.is_view", "    if True or func.is_view",
+        ("tests/test_sync_habits.py::test_a_use_of_grad_between_no_sync_micro_batches_that_ddp_computes_on_its_sum_is_refused",)),
+    "pending_grad_row_write_allowed": Mutation(
+        "shardtensor/_grad_edits.py", "_writes_whole_shards",
+        "        return False  # a write through a row view", "        pass  # a write through a row view",
+        ("tests/test_sync_habits.py::test_a_use_of_grad_between_no_sync_micro_batches_that_ddp_computes_on_its_sum_is_refused",)),
     "held_reads_in_full_in_every_unit": Mutation(
         "shardtensor/_dispatch/local.py", "_held_in_full",
         '            if held is not None and getattr(held.unit, "routes_by_data", False):',

@@ -13,6 +13,7 @@ from torch import nn
 
 import shardtensor
 from rank_pool import run_on_ranks
+from shardtensor import ShardedOpError
 
 
 def accumulate_case(how: str) -> dict:
@@ -164,31 +165,6 @@ def zero_grad_between_deferred_case(mode: str, set_to_none: bool) -> float:
 def test_zero_grad_between_no_sync_micro_batches_drops_only_the_earlier_ones(mode, set_to_none):
     """The next deferral added onto the discarded buffer (helper X): micro-batch 1 landed in the step."""
     for diff in run_on_ranks(2, zero_grad_between_deferred_case, mode, set_to_none):
-        assert diff < 1e-12, diff
-
-
-def clip_between_micro_batches_case(mode: str) -> float:
-    """``clip_grad_norm_`` (per parameter, a no-op bound) after each ``no_sync`` micro-batch, as some loops do:
-    the deferred gradients must survive it (a version check taken for a sign of zero_grad dropped them: 4.0 off)."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-    plain, model = _gain_net(), shardtensor.shard_module(_gain_net(), gather=mode)
-    xs = _micro_batches(world, 2)
-    with model.no_sync():
-        model(xs[0][rank]).sum().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6, foreach=False)
-    model(xs[1][rank]).sum().backward()
-    for m in range(2):
-        for x in xs[m]:
-            (plain(x).sum() / world).backward()
-    grads = dict(model.named_parameters())
-    return max(((grads[n].grad.full_tensor() if isinstance(grads[n], shardtensor.ShardedParam) else grads[n].grad)
-                - p.grad).abs().max().item() for n, p in plain.named_parameters())
-
-
-@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
-def test_a_clip_between_no_sync_micro_batches_keeps_their_gradients(mode):
-    for diff in run_on_ranks(2, clip_between_micro_batches_case, mode):
         assert diff < 1e-12, diff
 
 
@@ -376,12 +352,6 @@ def _edit_grads(params, how: str) -> None:
             p.grad *= 0
         elif how == "div":
             p.grad.div_(torch.tensor(4.0, dtype=torch.float64))
-        elif how == "assign-clone":  # (helper F: taking these for replacements threw DDP's sum away)
-            p.grad = p.grad.clone()
-        elif how == "assign-plus":
-            p.grad = p.grad + 0.01
-        elif how == "copy-nan-to-num":
-            p.grad.copy_(torch.nan_to_num(p.grad))
         elif how == "assign-detached":  # a new wrapper over the same shard: nothing changes, as under DDP
             p.grad = p.grad.detach()
 
@@ -414,13 +384,68 @@ def edits_between_micro_batches_case(mode: str, how: str) -> float:
 
 
 @pytest.mark.parametrize("mode", ["sequential", "overlapped"])
-@pytest.mark.parametrize("how", ["mul", "imul-zero", "div", "foreach-mul", "assign-clone", "assign-plus",
-                                 "copy-nan-to-num", "assign-detached", "none create_graph", "mul create_graph"])
+@pytest.mark.parametrize("how", ["mul", "imul-zero", "div", "foreach-mul", "assign-detached", "none create_graph",
+                                 "mul create_graph"])
 def test_edits_of_grad_between_no_sync_micro_batches_act_on_the_accumulated_gradient(mode, how):
     """Between ``no_sync`` micro-batches a sharded ``.grad`` holds zeros while the summed gradient waits aside;
     a scale of ``.grad`` there acts on DDP's accumulated gradient, so it must act on the one waiting aside (it
-    was ignored: the deferred sum was reduced unscaled, silently); a new ``.grad`` made from the old one keeps it."""
+    was ignored: the deferred sum was reduced unscaled, silently)."""
     for diff in run_on_ranks(2, edits_between_micro_batches_case, mode, how):
+        assert diff < 1e-12, diff
+
+
+_USES_OF_A_PENDING_GRAD = {  # what a script does to .grad between micro-batches that DDP computes on its local sum
+    "clip-norm": lambda params: torch.nn.utils.clip_grad_norm_(params, 1e6, foreach=False),
+    "clip-norm-foreach": lambda params: torch.nn.utils.clip_grad_norm_(params, 0.1, foreach=True),
+    "clip-value": lambda params: torch.nn.utils.clip_grad_value_(params, 1e-3),
+    "log-norm": lambda params: [p.grad.norm().item() for p in params],
+    "assign-clone": lambda params: [setattr(p, "grad", p.grad.clone()) for p in params],
+    "assign-scaled": lambda params: [setattr(p, "grad", p.grad / 2) for p in params],
+    "copy-nan-to-num": lambda params: [p.grad.copy_(torch.nan_to_num(p.grad)) for p in params],
+    "copy-independent": lambda params: [p.grad.copy_(torch.ones(p.shape, dtype=p.dtype)) for p in params],
+    "fill-one": lambda params: [p.grad.fill_(1.0) for p in params],
+    "zero-a-row": lambda params: [p.grad[0].zero_() for p in params],
+    "foreach-mul-list": lambda params: torch._foreach_mul_([p.grad for p in params], [0.5] * len(params)),
+}
+
+
+def use_of_a_pending_grad_case(mode: str, how: str) -> tuple:
+    """A use of ``.grad`` after a ``no_sync`` micro-batch that DDP computes on this rank's local sum: (the
+    error's text, the worst gradient difference from DDP's after the synced micro-batch that follows)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    model = shardtensor.shard_module(copy.deepcopy(plain), gather=mode)
+    xs = _micro_batches(world, 2)
+    with model.no_sync():
+        model(xs[0][rank]).sum().backward()
+        sharded = [p for p in model.parameters() if isinstance(p, shardtensor.ShardedParam)]
+        try:
+            _USES_OF_A_PENDING_GRAD[how](sharded)
+            message = None
+        except ShardedOpError as exc:
+            message = str(exc)
+    model(xs[1][rank]).sum().backward()
+    for m in range(2):
+        for x in xs[m]:
+            (plain(x).sum() / world).backward()
+    grads = dict(model.named_parameters())
+    return message, max((grads[n].grad.full_tensor() - p.grad).abs().max().item()
+                        for n, p in plain.named_parameters())
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+@pytest.mark.parametrize("how", sorted(_USES_OF_A_PENDING_GRAD))
+def test_a_use_of_grad_between_no_sync_micro_batches_that_ddp_computes_on_its_sum_is_refused(mode, how):
+    """Between ``no_sync`` micro-batches a sharded ``.grad`` holds zeros while DDP's holds this rank's sum: a clip
+    (by norm, even a bound that does not bind, or by value), a logged norm, a new ``.grad`` computed from it, a
+    ``copy_`` or fill into it, zeros through a row view, a scale by a list.  Each computed on the zeros and
+    differed from DDP silently (a binding clip did nothing; ``p.grad / 2`` kept the sum unscaled; ``copy_(x)``
+    kept it).  Now each is refused on every rank, naming the parameter and the fix, and changes nothing: the
+    synced micro-batch after it gives DDP's gradient of the two micro-batches."""
+    for message, diff in run_on_ranks(2, use_of_a_pending_grad_case, mode, how):
+        assert message is not None, f"{how} was not refused"
+        assert "no_sync micro-batches" in message and "'0.weight'" in message and "sync on" in message, message
         assert diff < 1e-12, diff
 
 

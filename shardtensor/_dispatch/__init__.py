@@ -18,11 +18,12 @@ from typing import Callable
 
 import torch
 
+from .. import _grad_edits
 from ..tensor import ShardedParam
 from . import reductions, row_writes, sequential, traced, views  # noqa: F401  (importing a rule module registers its rules)
 from ._common import FAMILIES, TABLE, OpFamily, Rule, ShardedOpError, implements
 from .compute import compute
-from .local import _local
+from .local import _local, _whole_shard
 
 __all__ = ["dispatch_op", "implements", "OpFamily", "ShardedOpError", "TABLE", "FAMILIES", "rule_for"]
 
@@ -31,6 +32,10 @@ _RULE_BY_ID: dict[int, Rule] = {}  # id(OpOverload) -> rule; OpOverloads live as
 
 def dispatch_op(func, args: tuple, kwargs: dict):
     """Run ``func`` by its rule (looked up once per op; keyed by id: ``OpOverload.__hash__`` is a Python method)."""
+    if _grad_edits.logging_scales():  # a .grad holds a no_sync deferral: what may touch it is limited
+        refusal = _grad_edits.refusal_of_use_of_pending(func, args, kwargs, _whole_shard)
+        if refusal is not None:
+            raise ShardedOpError(refusal)
     rule = _RULE_BY_ID.get(id(func))
     if rule is None:
         rule = rule_for(func)

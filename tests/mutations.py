@@ -36,11 +36,15 @@ MUTATIONS = {
         "shardtensor/_grad_edits.py", "_writes_whole_shards",
         "        return False  # a write through a row view", "        pass  # a write through a row view",
         ("tests/test_sync_habits.py::test_a_use_of_grad_between_no_sync_micro_batches_that_ddp_computes_on_its_sum_is_refused",)),
-    "held_reads_in_full_in_every_unit": Mutation(
-        "shardtensor/_dispatch/local.py", "_held_in_full",
-        '            if held is not None and getattr(held.unit, "routes_by_data", False):',
-        "            if held is not None:",
+    "expert_reads_run_on_the_full_tensor": Mutation(
+        "shardtensor/_dispatch/recipes.py", "remember",
+        "    if type(out) is not ShardedParam:", "    if True:",
         ("tests/test_mixed_precision.py::test_autocast_keeps_no_gathered_weight_from_forward_to_backward",)),
+    "derived_expert_tensor_gathered_on_demand": Mutation(
+        "shardtensor/_dispatch/compute.py", "__enter__",
+        "                    base = full_base(p)", "                    base = None",
+        ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",
+         "tests/test_mixed_precision.py::test_autocast_keeps_no_gathered_weight_from_forward_to_backward")),
     "load_into_meta_shards_unnamed": Mutation(
         "shardtensor/_agreement.py", "agree_on_load",
         "        elif any(p._local.is_meta for p in params.values()):", "        elif False:",
@@ -77,7 +81,7 @@ MUTATIONS = {
         "    if not frozen:", "    if True:",
         ("tests/test_units.py::test_a_parameter_frozen_on_one_rank_only_is_named_on_every_rank",)),
     "held_parameter_read_shard_wise": Mutation(
-        "shardtensor/_dispatch/local.py", "_held_in_full",
+        "shardtensor/_dispatch/recipes.py", "reads_held_expert_parameter",
         "    for x in operands:", "    for x in ():",
         ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",)),
     "dlpack_export_allowed": Mutation(

@@ -13,6 +13,7 @@ from .._layout import apply_views
 from .._full import gather_now
 from ..tensor import ShardedParam
 from ._common import _map_args, _map_kwargs, _map_out, _params_in, _written_params
+from .recipes import full_base
 from .refusals import _refuse
 
 
@@ -32,8 +33,10 @@ class _Gathered:
                 if p._gatherer is not None:
                     base = p._gatherer.acquire(p)
                     self.acquired.append(p)
-                else:
-                    base = gather_now(p._local, p._layout)
+                else:  # a derived tensor: from held parameters if it can be (see recipes.py), else gathered
+                    base = full_base(p)
+                    if base is None:
+                        base = gather_now(p._local, p._layout)
                 fulls[id(p)] = apply_views(base, p._views)
         except BaseException:
             self.__exit__(None, None, None)

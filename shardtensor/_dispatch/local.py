@@ -26,7 +26,7 @@ from ._common import (
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse
-from . import traced
+from . import recipes, traced
 
 POINTWISE = OpFamily("pointwise", lambda func: torch.Tag.pointwise in func.tags)
 FOREACH = OpFamily("foreach", lambda func: func.overloadpacket.__name__.startswith("_foreach_"))
@@ -133,13 +133,15 @@ def _local(func, args, kwargs):
     else:
         if first is not None and not (kwargs and any(isinstance(v, (torch.Tensor, list, tuple)) for v in kwargs.values())) \
                 and (not written or (written == ((0, "self"),) and args[0] is first)):
-            if not written and first._gatherer is not None and first._gatherer.held and _held_in_full(args):
-                return compute(func, args, kwargs)  # see [Note: reads of a parameter its unit holds]
             out = func(*locals_, **kwargs)
             if written:
                 _mark_written((first,))  # see [Note: writes through the wrapper are versioned on the shard]
                 return args[0]
-            return _wrap_like(first, out)
+            out = _wrap_like(first, out)
+            if (first._gatherer is not None and first._gatherer.held or hasattr(first._local, recipes.RECIPE)) \
+                    and recipes.reads_held_expert_parameter(args) and not recipes.remember(out, func, args, kwargs):
+                return compute(func, args, kwargs)  # see [Note: reads of a parameter its unit holds] in recipes.py
+            return out
     if traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
         return traced.run_traced(func, args, kwargs, _local)
     params = _params_in(args, kwargs)
@@ -150,38 +152,20 @@ def _local(func, args, kwargs):
     # product would leave each rank's rows scaled by its own gradient, never averaged.  Those run gathered, so
     # the gradient hook receives a whole gradient and reduces it.
     allow_scalars = writes_shard or (not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1)
-    if not writes_shard and _held_in_full(params):
-        return compute(func, args, kwargs)  # see [Note: reads of a parameter its unit holds]
     if _localizable(params) and _plain_tensors_ok(_leaves(args, kwargs), allow_scalars):
         out = func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs))
         if writes_shard:
             _mark_written(written_params)
             return kwargs["out"] if "out" in kwargs else args[0]
-        return _wrap_like(params[0], out)
+        out = _wrap_like(params[0], out)
+        if recipes.reads_held_expert_parameter(params) and not recipes.remember(out, func, args, kwargs):
+            return compute(func, args, kwargs)  # see [Note: reads of a parameter its unit holds] in recipes.py
+        return out
     if writes_shard and not _backward_temporaries(written_params):  # those: compute() writes them back
         if _write_dim0_rows(func, args, kwargs):
             return args[0]
         _refuse(func, args, kwargs, "its operands are not shards of one layout (or include a full plain tensor)")
     return compute(func, args, kwargs)
-
-
-# [Note: reads of a parameter its unit holds]
-# Inside a gather unit's forward or backward every parameter of the unit is held in full, gathered on every rank
-# whatever the data.  A pointwise read run shard-wise there (``1.0 + norm.weight``, autocast's cast of an expert's
-# weight, ``w * 2``) makes a new sharded tensor, gathered again when used, on demand and with no name: in an
-# expert loop routed differently per rank, rank 0 gathered expert 0's and rank 1 expert 2's in one collective,
-# and the rows of the two were mixed, silently.  So in a unit whose calls depend on the data (an expert list) a
-# read of a held parameter runs on the held full tensor.  Not in the other units (blocks), where every rank reads
-# the same tensors in the same order: there the shard-wise result is what autograd saves for the backward (a
-# full one kept every block's bf16 weights from forward to backward under autocast: +37% forward peak, helper G).
-# The cost stays in expert units under autocast: their full bf16 weights live until the backward.
-def _held_in_full(operands) -> bool:
-    for x in operands:
-        if type(x) is ShardedParam and x._gatherer is not None and x._gatherer.held:
-            held = x._gatherer.held.get(id(x._local))
-            if held is not None and getattr(held.unit, "routes_by_data", False):
-                return True
-    return False
 
 
 @implements([aten.zero_.default, aten._foreach_zero_.default, aten.fill_.Scalar, aten.fill_.Tensor])

@@ -28,6 +28,11 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "recipe_source_gathered_unnamed": Mutation(
+        "shardtensor/_dispatch/compute.py", "_acquire",
+        "        base = p._gatherer.acquire(p) if p._gatherer is not None else gather_now(p._local, p._layout)",
+        "        base = gather_now(p._local, p._layout)",
+        ("tests/test_units.py::test_a_tensor_derived_from_an_expert_weight_kept_past_the_moe_layer",)),
     "pending_grad_read_allowed": Mutation(
         "shardtensor/_grad_edits.py", "refusal_of_use_of_pending",
         "    if pending is None or func.is_view", "    if True or func.is_view",
@@ -42,7 +47,7 @@ MUTATIONS = {
         ("tests/test_mixed_precision.py::test_autocast_keeps_no_gathered_weight_from_forward_to_backward",)),
     "derived_expert_tensor_gathered_on_demand": Mutation(
         "shardtensor/_dispatch/compute.py", "__enter__",
-        "                    base = full_base(p)", "                    base = None",
+        "                    base = full_base(p, self._acquire)", "                    base = None",
         ("tests/test_units.py::test_expert_loop_trains_like_the_unsharded_model",
          "tests/test_mixed_precision.py::test_autocast_keeps_no_gathered_weight_from_forward_to_backward")),
     "load_into_meta_shards_unnamed": Mutation(

@@ -33,8 +33,8 @@ class _Gathered:
                 if p._gatherer is not None:
                     base = p._gatherer.acquire(p)
                     self.acquired.append(p)
-                else:  # a derived tensor: from held parameters if it can be (see recipes.py), else gathered
-                    base = full_base(p)
+                else:  # a derived tensor: by its recipe if it has one (see recipes.py), else gathered
+                    base = full_base(p, self._acquire)
                     if base is None:
                         base = gather_now(p._local, p._layout)
                 fulls[id(p)] = apply_views(base, p._views)
@@ -42,6 +42,12 @@ class _Gathered:
             self.__exit__(None, None, None)
             raise
         return fulls
+
+    def _acquire(self, p: ShardedParam) -> torch.Tensor:
+        base = p._gatherer.acquire(p) if p._gatherer is not None else gather_now(p._local, p._layout)
+        if p._gatherer is not None:
+            self.acquired.append(p)
+        return base
 
     def __exit__(self, *exc) -> None:
         for p in self.acquired:

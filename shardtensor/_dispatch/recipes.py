@@ -13,14 +13,14 @@ same in block units at +37% forward peak).
 
 So inside a unit whose calls depend on the data (an expert list) the read keeps its recipe (op and operands) on
 its shard, and a use of the derived tensor while its parameters are held again recomputes the full tensor from
-the held ones: no collective, no full tensor kept, the same numbers.  Outside such a window (the unit released,
-a derived tensor kept past it) the derived tensor is gathered on demand as any other, as every rank then reads
-the same one.  Block units keep no recipes: there every rank reads the same tensors in the same order.
+the held ones: no collective, no full tensor kept, the same numbers.  Outside such a window (a derived tensor kept past the unit) the parameters
+are gathered again by name: right where every rank kept the same expert's tensor, a ``DivergenceError`` where
+not (gathered on demand by its shard, it mixed the ranks' rows silently: 0.51 off).  Block units keep no recipes: there every rank reads the same tensors in the same order.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -51,32 +51,25 @@ def remember(out, func, args, kwargs) -> bool:
     return True
 
 
-def full_base(p: ShardedParam) -> Optional[torch.Tensor]:
-    """The full base tensor (views not applied) of a derived ``p``, made from the held tensors it was read from;
-    ``None`` if it has no recipe or one of them is no longer held (or was written since)."""
+def full_base(p: ShardedParam, acquire: Callable[[ShardedParam], torch.Tensor]) -> Optional[torch.Tensor]:
+    """The full base tensor (views not applied) of a derived ``p`` made by its recipe, or ``None`` if it has none.
+    A parameter the recipe read is taken as its unit holds it, else through ``acquire`` (its Gatherer: a gather
+    named by the parameter, so ranks that kept different experts' tensors past the unit raise
+    ``DivergenceError`` instead of mixing their rows)."""
     recipe = getattr(p._local, RECIPE, None)
     if recipe is None:
         return None
     func, args, kwargs = recipe
-    try:
-        return func(*[_held_base(x) for x in args], **{k: _held_base(v) for k, v in kwargs.items()})
-    except _NotHeld:
-        return None
+    return func(*[_base(x, acquire) for x in args], **{k: _base(v, acquire) for k, v in kwargs.items()})
 
 
-class _NotHeld(Exception):
-    pass
-
-
-def _held_base(x):
+def _base(x, acquire):
     if type(x) is not ShardedParam:
         return x
     if hasattr(x._local, RECIPE):
-        base = full_base(x)
-    else:
-        gatherer = x._gatherer
-        held = gatherer.held.get(id(x._local)) if gatherer is not None and gatherer.held else None
-        base = held.full if held is not None and held.version == x._local._version else None
-    if base is None:
-        raise _NotHeld
-    return base
+        return full_base(x, acquire)
+    gatherer = x._gatherer
+    held = gatherer.held.get(id(x._local)) if gatherer is not None and gatherer.held else None
+    if held is not None and held.version == x._local._version:
+        return held.full
+    return acquire(x)

@@ -31,8 +31,7 @@ from . import recipes, traced
 POINTWISE = OpFamily("pointwise", lambda func: torch.Tag.pointwise in func.tags)
 FOREACH = OpFamily("foreach", lambda func: func.overloadpacket.__name__.startswith("_foreach_"))
 EXTRA_LOCAL_OPS = [  # not tagged pointwise, but element-wise on a shard all the same
-    aten.zeros_like.default, aten.ones_like.default,
-    aten.empty_like.default, aten.full_like.default, aten._to_copy.default, aten.clone.default,
+    aten._to_copy.default, aten.clone.default,
     # in-place forms whose out-of-place twin is tagged pointwise, but not themselves (torch 2.13)
     aten.abs_.default, aten.absolute_.default, aten.fix_.default, aten.mish_.default, aten.xlogy_.Scalar_Other,
     aten.copysign_.Tensor, aten.copysign_.Scalar, aten.true_divide_.Tensor, aten.heaviside_.default,
@@ -337,6 +336,19 @@ def _eye_into_shard(func, args, kwargs):
     out._layout.copy_own_rows(out._local, full)
     _mark_written((out,))
     return out
+
+
+@implements([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default])
+def _like(func, args, kwargs):
+    """``zeros_like(p)`` is a shard of ``p``'s placement (an optimizer's state), except inside a backward, where
+    it is a whole plain tensor: there a formula fills it with this rank's gradient (``take``'s backward is
+    ``zeros_like(self).put_(index, grad)``; ``householder_product``'s, ``ormqr``'s), and a shard kept this rank's
+    rows of this rank's gradient, which the gradient hook took for the mean (silently: rows 1x and 2x where DDP
+    gives 1.5x, helper H).  A plain one is reduced like any gradient."""
+    if type(args[0]) is ShardedParam and torch._C._current_graph_task_id() != -1:
+        shape = torch.empty((), dtype=args[0].dtype, device=args[0].device).expand(args[0].shape)
+        return func(shape, *args[1:], **kwargs)
+    return _local(func, args, kwargs)
 
 
 @implements([aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default,

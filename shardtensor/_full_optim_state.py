@@ -29,18 +29,24 @@ class FullState(NamedTuple):
     value: torch.Tensor
 
 
-def is_full_state(param: torch.Tensor, value, kept_local_alike: bool) -> bool:
+def is_full_state(param: torch.Tensor, value, kept_local_alike: bool, loading: bool = False) -> bool:
     """Whether ``value`` is the full tensor of the sharded ``param``'s shape rather than its rows.  Where a shard
     has the full shape (one row, or one rank), a stock optimizer's own state is a sharded tensor, so a plain one is
-    full; an optimizer whose own state is plain rows (``kept_local_alike``: CPUAdam's) cannot tell, and keeps it."""
+    full; an optimizer whose own state is plain rows (``kept_local_alike``: CPUAdam's) cannot tell, and keeps it,
+    except while ``loading`` under a layer-wise layout, where the owner's rows are the full tensor (either reading
+    gives the same rows) and every rank must take the same values for full (their digests are compared together);
+    at a step the owner's own state is that shape and is its own.  Layer-wise
+    layouts were left out before: a full state failed half-way through the first step (helper I)."""
     from ._layout import ShardLayout
     from .tensor import ShardedParam
 
-    if not isinstance(param, ShardedParam) or type(param._layout) is not ShardLayout:
+    if not isinstance(param, ShardedParam) or not isinstance(param._layout, ShardLayout):  # (OwnerLayout too)
         return False
     if isinstance(value, ShardedParam) or not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
-    return value.shape == param.shape and (value.shape != param._layout.local_shape() or not kept_local_alike)
+    whole_on_one_rank = loading and type(param._layout) is not ShardLayout  # layer-wise: the owner holds it whole
+    return value.shape == param.shape and (value.shape != param._layout.local_shape() or not kept_local_alike
+                                           or whole_on_one_rank)
 
 
 def shaped_for_another_parameter(param: torch.Tensor, value) -> bool:
@@ -57,9 +63,9 @@ def shaped_for_another_parameter(param: torch.Tensor, value) -> bool:
 
 
 def full_states(states: list, kept_local_alike: bool) -> list[FullState]:
-    """The full state tensors among ``states`` (``(param, state dict)`` pairs), in their order."""
+    """The full state tensors among ``states`` (``(param, state dict)`` pairs being loaded), in their order."""
     return [FullState(param._name, param, key, value) for param, state in states for key, value in state.items()
-            if is_full_state(param, value, kept_local_alike)]
+            if is_full_state(param, value, kept_local_alike, loading=True)]
 
 
 def agree_on_full_state(owner: str, full: list[FullState], group, others_refuse: bool = False,

@@ -28,6 +28,15 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "layerwise_full_state_not_taken": Mutation(
+        "shardtensor/_full_optim_state.py", "is_full_state",
+        "    if not isinstance(param, ShardedParam) or not isinstance(param._layout, ShardLayout):",
+        "    if not isinstance(param, ShardedParam) or type(param._layout) is not ShardLayout:",
+        ("tests/test_full_optim_state.py::test_a_full_optimizer_state_resumes_a_layerwise_model_like_the_unsharded_run",)),
+    "layerwise_owner_keeps_loaded_full_state_as_rows": Mutation(
+        "shardtensor/_full_optim_state.py", "is_full_state",
+        "    whole_on_one_rank = loading and", "    whole_on_one_rank = False and",
+        ("tests/test_full_optim_state.py::test_a_full_optimizer_state_resumes_a_layerwise_model_like_the_unsharded_run",)),
     "backward_zeros_like_sharded": Mutation(
         "shardtensor/_dispatch/local.py", "_like",
         "    if type(args[0]) is ShardedParam and torch._C._current_graph_task_id() != -1:", "    if False:",

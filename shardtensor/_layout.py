@@ -53,9 +53,16 @@ class ShardLayout:
     # another placement (layer-wise ownership) is a layout subclass plus a reducer; gather.py only schedules.
     def gather(self, local: torch.Tensor, *, async_op: bool = False) -> _comm.CollectiveResult:
         """Start gathering the full tensor; its first ``shape[0]`` rows of ``.buffer`` are the base tensor."""
+        self.check_live(local, "gather")
+        return _comm.all_gather_rows(local, self.group, async_op=async_op)
+
+    def check_live(self, local: torch.Tensor, what: str = "gather") -> None:
+        """Raise unless this shard belongs to this process's rank and world: one saved by another rank or in
+        another world (rank 0's ``torch.save`` of a sharded state dict) would gather alone, or reduce its rows
+        as if they were this rank's (``sum()`` of rank 0's file was rank 0's rows' sum, silently)."""
         if _comm.world_size(self.group) != self.world:  # e.g. a shard unpickled in a process of another world
             raise RuntimeError(
-                f"cannot gather a shard of {self.world} ranks (global shape {tuple(self.shape)}) in a process group "
+                f"cannot {what} a shard of {self.world} ranks (global shape {tuple(self.shape)}) in a process group "
                 f"of {_comm.world_size(self.group)}: it was saved or built in another world (a sharded model's "
                 "state_dict() holds each rank's own rows). Fix: for a plain model, save "
                 "shardtensor.full_state_dict(model, rank0_only=True) (called on every rank); for a sharded one, "
@@ -63,16 +70,15 @@ class ShardLayout:
             )
         if self.world > 1 and _comm.rank(self.group) != self.rank:  # e.g. rank 0's torch.save loaded on rank 1
             message = (
-                f"cannot gather rank {self.rank}'s shard (global shape {tuple(self.shape)}) on rank "
+                f"cannot {what} rank {self.rank}'s shard (global shape {tuple(self.shape)}) on rank "
                 f"{_comm.rank(self.group)}: it was saved by another rank (model.state_dict() of a sharded model holds "
                 "that rank's rows only), and this rank would gather alone. Fix: shardtensor.save_checkpoint / "
                 "load_checkpoint, or shardtensor.full_state_dict(model, rank0_only=True) for full tensors.")
             try:  # the saving rank's gather of its own shard waits in the identity check: a record it cannot match
-                _comm._check("refused gather", local, self.group, f"gather refused: rank {self.rank}'s saved shard")
+                _comm._check(f"refused {what}", local, self.group, f"{what} refused: rank {self.rank}'s saved shard")
             except _comm.CollectiveError as exc:  # (a DivergenceError there, naming this rank's refusal)
                 raise RuntimeError(message) from exc
             raise RuntimeError(message)
-        return _comm.all_gather_rows(local, self.group, async_op=async_op)
 
     def gather_numel(self) -> int:
         """Elements a gather materialises (for prefetch budgets)."""

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "foreign_shard_reduced": Mutation(
+        "shardtensor/_dispatch/reductions.py", "_valid",
+        '    p._layout.check_live(p._local, "reduce")', "    pass",
+        ("tests/test_misuse.py::test_reductions_of_a_shard_saved_by_another_rank_are_refused_like_its_gather",)),
     "layerwise_full_state_not_taken": Mutation(
         "shardtensor/_full_optim_state.py", "is_full_state",
         "    if not isinstance(param, ShardedParam) or not isinstance(param._layout, ShardLayout):",

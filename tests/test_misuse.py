@@ -335,6 +335,31 @@ def test_state_dict_saved_on_rank0_into_a_plain_model_is_named_on_every_rank_at_
     assert "saved by another rank" in rank1 and "save_checkpoint" in rank1, rank1
 
 
+def reductions_of_rank0s_saved_shard_case(path: str, how: str) -> str:
+    """Every rank reduces a tensor of rank 0's saved state dict (a notebook's ``w.norm()``; a rank-0 file loaded
+    everywhere): the error each rank raises, or the value it computed."""
+    import torch.distributed as dist
+
+    _rank0_saves_its_state_dict(path)
+    w = torch.load(path, weights_only=True)["0.weight"]
+    fns = {"sum": lambda t: t.sum(), "norm": lambda t: t.norm(), "max": lambda t: t.abs().max(),
+           "mean-of-a-copy": lambda t: t.float().clone().mean(),
+           "foreach-norm": lambda t: torch._foreach_norm([t])[0]}
+    message = _error_of(lambda: fns[how](w))
+    dist.barrier()  # every rank is out, in step
+    return message
+
+
+@pytest.mark.parametrize("how", ["sum", "norm", "max", "mean-of-a-copy", "foreach-norm"])
+def test_reductions_of_a_shard_saved_by_another_rank_are_refused_like_its_gather(tmp_path, how):
+    """Helper J: a whole-tensor reduction of rank 0's saved rows skipped the gather's check, so ``w.sum()`` was
+    rank 0's rows' sum on rank 0 and twice it at world 2 (``w.norm()`` sqrt(2) times), silently."""
+    rank0, rank1 = run_on_ranks(2, reductions_of_rank0s_saved_shard_case, str(tmp_path / "model.pt"), how,
+                                timeout=60)
+    assert "reduce refused: rank 0" in rank0 and "ranks diverged" in rank0, rank0
+    assert "cannot reduce rank 0's shard" in rank1 and "save_checkpoint" in rank1, rank1
+
+
 def converted_then_children_case() -> tuple:
     torch.manual_seed(0)
     model = shardtensor.shard_module(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)).double())

@@ -21,6 +21,9 @@ from .refusals import _refuse
 
 
 def _valid(p: ShardedParam) -> torch.Tensor:
+    """This rank's rows of ``p``, to reduce with the other ranks' (a shard saved by another rank or in another
+    world is refused, as its gather is: its sum was its saver's rows' sum, silently; helper J)."""
+    p._layout.check_live(p._local, "reduce")
     return p._local[: p._layout.valid_rows]
 
 

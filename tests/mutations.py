@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "param_dtype_note_on_every_error": Mutation(
+        "shardtensor/_dispatch/compute.py", "_about_dtypes",
+        '    return "dtype" in text', '    return True or "dtype" in text',
+        ("tests/test_mixed_precision.py::test_param_dtype_under_code_that_casts_to_weight_dtype_names_the_fix",)),
     "foreign_shard_reduced": Mutation(
         "shardtensor/_dispatch/reductions.py", "_valid",
         '    p._layout.check_live(p._local, "reduce")', "    pass",

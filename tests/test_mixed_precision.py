@@ -189,13 +189,13 @@ class _CastsToWeightDtype(nn.Module):
         return nn.functional.linear(x.to(self.lin.weight.dtype), self.lin.weight)
 
 
-def casts_to_weight_dtype_case() -> str:
+def casts_to_weight_dtype_case(width: int = 4) -> str:
     import shardtensor
 
     torch.manual_seed(0)
     model = shardtensor.shard_module(_CastsToWeightDtype(), param_dtype=torch.bfloat16)
     try:
-        model(torch.randn(2, 4))
+        model(torch.randn(2, width))
     except RuntimeError as exc:
         return "\n".join(getattr(exc, "__notes__", []))
     return "no error"
@@ -203,9 +203,12 @@ def casts_to_weight_dtype_case() -> str:
 
 def test_param_dtype_under_code_that_casts_to_weight_dtype_names_the_fix():
     """Helper C: Mixtral's grouped_mm experts and Switch's ``.to(self.wo.weight.dtype)`` failed with torch's
-    "expected m1 and m2 to have the same dtype" and no word of why: the gathered weight is bf16, ``.dtype`` fp32."""
+    "expected m1 and m2 to have the same dtype" and no word of why: the gathered weight is bf16, ``.dtype`` fp32.
+    Helper I: the note rode on every error of such a model (a shape mismatch too); it names dtype errors only."""
     for notes in run_on_ranks(2, casts_to_weight_dtype_case):
         assert "'lin.weight' is gathered in torch.bfloat16" in notes and "torch.autocast instead" in notes, notes
+    for notes in run_on_ranks(2, casts_to_weight_dtype_case, 5):  # a width the layer cannot take
+        assert "raised by" in notes and "gathered in torch.bfloat16" not in notes, notes
 
 
 class _Block(nn.Module):

@@ -70,13 +70,20 @@ def compute(func, args, kwargs):
         except Exception as exc:  # the op's own error, with the op and the parameters it ran on
             exc.add_note(f"shardtensor: raised by {func} on the gathered ShardedParams "
                          f"{[p._name or tuple(p.shape) for p in params]}")
-            cast = next((p for p in params if fulls[id(p)].dtype != p.dtype), None)
+            cast = next((p for p in params if fulls[id(p)].dtype != p.dtype), None) if _about_dtypes(exc) else None
             if cast is not None:  # param_dtype: the gathered weight is not what ``weight.dtype`` says
                 exc.add_note(f"{cast._name!r} is gathered in {fulls[id(cast)].dtype} (shard_module's param_dtype) "
                              f"while its .dtype reads {cast.dtype}, so code that casts its input to weight.dtype "
                              "casts to the wrong one. Fix: torch.autocast instead of param_dtype for such a model.")
             raise
         return _unalias(out, fulls)
+
+
+def _about_dtypes(exc: Exception) -> bool:
+    """Whether torch's error is a dtype mismatch (helper I: the param_dtype note was added to every error of a
+    gathered op, an index out of range or a shape mismatch included)."""
+    text = str(exc)
+    return "dtype" in text or "scalar type" in text or "should be the same" in text
 
 
 def compute_with(p: ShardedParam, fn):

@@ -205,6 +205,20 @@ class ShardedParam(torch.Tensor):
         # (SIGSEGV) and numpy.from_dlpack(p) read memory that is not the parameter's.
         raise TypeError(self._host_copy_refusal("__dlpack__"))
 
+    def untyped_storage(self):
+        # The wrapper has no storage of its own; torch's own error ("data is not allocated yet ... torch.compile")
+        # named the wrong cause, and safetensors (save_pretrained with a state_dict= of a sharded model) went on to
+        # TypedStorage and failed with "data pointer on an invalid python storage" (helper J).  Tensor.storage()
+        # goes through here too.
+        raise RuntimeError(self._storage_refusal())
+
+    def _storage_refusal(self) -> str:
+        return (f"ShardedParam {self._name or tuple(self.shape)!r} has no storage of its own: its values are spread "
+                "over the ranks (p.to_local() is this rank's rows). A sharded model's state_dict() holds such shards: "
+                "to save one with save_pretrained or safetensors, on every rank state = "
+                "shardtensor.full_state_dict(model, rank0_only=True), then on rank 0 save_pretrained(path, "
+                "state_dict=state).")
+
     def _host_copy_refusal(self, method: str) -> str:
         return (f"ShardedParam {self._name or tuple(self.shape)!r}.{method}(): the values are spread over the ranks. "
                 f"Fix: p.full_tensor().{method}() (a gather: call it on every rank), or p.to_local().{method}() for "

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "storage_of_a_shard_unnamed": Mutation(
+        "shardtensor/tensor.py", "untyped_storage",
+        "        raise RuntimeError(self._storage_refusal())", "        return super().untyped_storage()",
+        ("tests/test_save_pretrained.py::test_save_pretrained_without_the_full_state_dict_names_the_recipe",)),
     "param_dtype_note_on_every_error": Mutation(
         "shardtensor/_dispatch/compute.py", "_about_dtypes",
         '    return "dtype" in text', '    return True or "dtype" in text',

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 import torch
 
 import shardtensor
@@ -23,21 +22,26 @@ def _gpt2():
     return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
 
 
-def save_case(path: str, recipe: bool) -> dict:
+def save_case(path: str, recipe) -> dict:
+    """``recipe``: True (the full state dict), False (no state_dict=), "state_dict" (accelerate's habit:
+    ``state_dict=model.state_dict()``)."""
     from transformers import GPT2LMHeadModel
 
     rank = torch.distributed.get_rank()
     model = shardtensor.shard_module(_gpt2())
     out = {}
-    if recipe:
+    if recipe is True:
         state = shardtensor.full_state_dict(model, rank0_only=True)
     if rank == 0:
         try:
-            model.save_pretrained(path, state_dict=state) if recipe else model.save_pretrained(path)
+            if recipe == "state_dict":
+                model.save_pretrained(path, state_dict=model.state_dict())
+            else:
+                model.save_pretrained(path, state_dict=state) if recipe else model.save_pretrained(path)
             out["message"] = "saved"
         except Exception as exc:  # noqa: BLE001 - the test reads the message
             out["message"] = f"{type(exc).__name__}: {exc}"
-        if recipe:
+        if recipe is True:
             loaded = GPT2LMHeadModel.from_pretrained(path)
             want = _gpt2().state_dict()
             out["equal"] = all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
@@ -47,9 +51,11 @@ def save_case(path: str, recipe: bool) -> dict:
     return out
 
 
-def test_save_pretrained_without_the_full_state_dict_names_the_recipe(tmp_path):
-    """It failed inside safetensors with "data pointer on an invalid python storage"."""
-    out = run_on_ranks(2, save_case, str(tmp_path / "m"), False)[0]
+@pytest.mark.parametrize("how", [False, "state_dict"])
+def test_save_pretrained_without_the_full_state_dict_names_the_recipe(tmp_path, how):
+    """It failed inside safetensors with "data pointer on an invalid python storage"; with accelerate's
+    ``state_dict=model.state_dict()`` too (helper J), where the state dict is made before save_pretrained runs."""
+    out = run_on_ranks(2, save_case, str(tmp_path / "m"), how)[0]
     assert "shardtensor.full_state_dict(model, rank0_only=True)" in out["message"], out
     assert not out["weights_written"], out
 

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "sequential_layer_norm_takes_affine_for_sharded": Mutation(
+        "shardtensor/_dispatch/sequential.py", "_layer_norm",
+        "        if isinstance(param, ShardedParam):", "        if True:",
+        ("tests/test_gather.py::test_layer_norm_of_a_sharded_tensor_with_whole_or_no_affine_parameters",)),
     "storage_of_a_shard_unnamed": Mutation(
         "shardtensor/tensor.py", "untyped_storage",
         "        raise RuntimeError(self._storage_refusal())", "        return super().untyped_storage()",

@@ -295,3 +295,44 @@ def test_a_container_root_replays_its_order_with_bounded_bookkeeping():
         assert len(set(r["lengths"][1:])) == 1, r
         assert r["hits"] > 0, r
         assert r["mismatches"] == 0, r
+
+
+class _NormedLatents(nn.Module):
+    """A sharded parameter normalised by a LayerNorm whose affine parameters are absent or kept whole (Perceiver's
+    latents; ``nn.LayerNorm(bias=False)``)."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(5, 8, dtype=torch.float64))
+        self.ln = nn.LayerNorm(8, bias=bias, dtype=torch.float64)
+
+    def forward(self, x):
+        return (self.ln(self.latents) @ x.T).tanh().square().mean()
+
+
+def normed_latents_case(mode: str, bias: bool) -> float:
+    import copy
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    plain = _NormedLatents(bias)
+    model = shardtensor.shard_module(copy.deepcopy(plain), gather=mode)  # the LayerNorm's 8 elements: kept whole
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    xs = [torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    model(xs[rank]).backward()
+    for x in xs:
+        (plain(x) / world).backward()
+    grads = dict(model.named_parameters())
+    return max(((g.grad.full_tensor() if isinstance(g, shardtensor.ShardedParam) else g.grad) - grads_ref).abs().max().item()
+               for (name, g), grads_ref in zip(grads.items(), [p.grad for p in plain.parameters()]))
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_norm_of_a_sharded_tensor_with_whole_or_no_affine_parameters(mode, bias):
+    """Helper H: sequential mode split every layer_norm into the normalisation and one gathered parameter at a
+    time, and took the weight and bias for sharded ones: ``AttributeError: 'NoneType' object has no attribute
+    '_gatherer'`` with ``bias=False`` (and for a plain one) where overlapped mode computed the right result."""
+    for diff in run_on_ranks(2, normed_latents_case, mode, bias):
+        assert diff < 1e-12, diff

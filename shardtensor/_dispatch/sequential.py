@@ -67,8 +67,11 @@ def _layer_norm(func, args, kwargs):
     if _mixed_dtype(x, weight, bias):  # autocast: a low-precision input with fp32 weights keeps fp32 statistics
         return compute(func, args, kwargs)  # and rounds once only in the fused mixed-dtype kernel
     out, mean, rstd = compute(func, (x, shape, None, None, eps), {})
-    compute_with(weight, lambda w: out.mul_(w))
-    compute_with(bias, lambda b: out.add_(b))
+    for param, apply in ((weight, out.mul_), (bias, out.add_)):  # either may be None (bias=False) or plain (kept
+        if isinstance(param, ShardedParam):                      # whole; helper H: an AttributeError before)
+            compute_with(param, apply)
+        elif param is not None:
+            apply(param)
     return out, mean, rstd
 
 

@@ -405,6 +405,9 @@ _USES_OF_A_PENDING_GRAD = {  # what a script does to .grad between micro-batches
     "copy-independent": lambda params: [p.grad.copy_(torch.ones(p.shape, dtype=p.dtype)) for p in params],
     "fill-one": lambda params: [p.grad.fill_(1.0) for p in params],
     "zero-a-row": lambda params: [p.grad[0].zero_() for p in params],
+    "scale-a-row": lambda params: [p.grad[1].mul_(0.5) for p in params],  # (helper I: p.grad[1] *= 0.5)
+    "zero-indexed-rows": lambda params: [p.grad.index_put_((torch.tensor([0, 1]),), torch.tensor(0.0, dtype=p.dtype))
+                                         for p in params],
     "foreach-mul-list": lambda params: torch._foreach_mul_([p.grad for p in params], [0.5] * len(params)),
 }
 

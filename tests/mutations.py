@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "generate_left_out_of_the_identity_record": Mutation(
+        "shardtensor/_comm_divergence.py", "check_identity",
+        "_crc(_caller_mark() + kind)", "_crc(kind)",
+        ("tests/test_generate.py::test_generate_with_different_lengths_per_rank_names_synced_gpus",)),
     "sequential_layer_norm_takes_affine_for_sharded": Mutation(
         "shardtensor/_dispatch/sequential.py", "_layer_norm",
         "        if isinstance(param, ShardedParam):", "        if True:",

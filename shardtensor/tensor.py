@@ -205,11 +205,10 @@ class ShardedParam(torch.Tensor):
         # (SIGSEGV) and numpy.from_dlpack(p) read memory that is not the parameter's.
         raise TypeError(self._host_copy_refusal("__dlpack__"))
 
-    def untyped_storage(self):
-        # The wrapper has no storage of its own; torch's own error ("data is not allocated yet ... torch.compile")
-        # named the wrong cause, and safetensors (save_pretrained with a state_dict= of a sharded model) went on to
-        # TypedStorage and failed with "data pointer on an invalid python storage" (helper J).  Tensor.storage()
-        # goes through here too.
+    def storage(self):
+        # The wrapper has no storage of its own.  safetensors (save_pretrained with a state_dict= of a sharded
+        # model) tries untyped_storage(), then this, and failed with "data pointer on an invalid python storage"
+        # (helper J).  untyped_storage() is left as torch has it: torch.compile asks it of every tensor.
         raise RuntimeError(self._storage_refusal())
 
     def _storage_refusal(self) -> str:

@@ -28,6 +28,10 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "zeros_like_plain_in_every_backward_callback": Mutation(
+        "shardtensor/_dispatch/local.py", "_in_a_backward_formula",
+        "    return node is not None and", "    return torch._C._current_graph_task_id() != -1 or",
+        ("tests/test_grad_landing.py::test_optimizer_in_backward_equals_the_usual_loop",)),
     "generate_left_out_of_the_identity_record": Mutation(
         "shardtensor/_comm_divergence.py", "check_identity",
         "_crc(_caller_mark() + kind)", "_crc(kind)",
@@ -37,8 +41,8 @@ MUTATIONS = {
         "        if isinstance(param, ShardedParam):", "        if True:",
         ("tests/test_gather.py::test_layer_norm_of_a_sharded_tensor_with_whole_or_no_affine_parameters",)),
     "storage_of_a_shard_unnamed": Mutation(
-        "shardtensor/tensor.py", "untyped_storage",
-        "        raise RuntimeError(self._storage_refusal())", "        return super().untyped_storage()",
+        "shardtensor/tensor.py", "storage",
+        "        raise RuntimeError(self._storage_refusal())", "        return super().storage()",
         ("tests/test_save_pretrained.py::test_save_pretrained_without_the_full_state_dict_names_the_recipe",)),
     "param_dtype_note_on_every_error": Mutation(
         "shardtensor/_dispatch/compute.py", "_about_dtypes",
@@ -59,7 +63,7 @@ MUTATIONS = {
         ("tests/test_full_optim_state.py::test_a_full_optimizer_state_resumes_a_layerwise_model_like_the_unsharded_run",)),
     "backward_zeros_like_sharded": Mutation(
         "shardtensor/_dispatch/local.py", "_like",
-        "    if type(args[0]) is ShardedParam and torch._C._current_graph_task_id() != -1:", "    if False:",
+        "    if type(args[0]) is ShardedParam and _in_a_backward_formula():", "    if False:",
         ("tests/test_backward_rank_scalars.py::test_per_rank_upstream_gradient_is_averaged",)),
     "recipe_source_gathered_unnamed": Mutation(
         "shardtensor/_dispatch/compute.py", "_acquire",

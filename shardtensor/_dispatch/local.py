@@ -344,11 +344,18 @@ def _like(func, args, kwargs):
     it is a whole plain tensor: there a formula fills it with this rank's gradient (``take``'s backward is
     ``zeros_like(self).put_(index, grad)``; ``householder_product``'s, ``ormqr``'s), and a shard kept this rank's
     rows of this rank's gradient, which the gradient hook took for the mean (silently: rows 1x and 2x where DDP
-    gives 1.5x, helper H).  A plain one is reduced like any gradient."""
-    if type(args[0]) is ShardedParam and torch._C._current_graph_task_id() != -1:
+    gives 1.5x, helper H).  A plain one is reduced like any gradient.  Only in torch's own backward formulas: an
+    optimizer stepping in a gradient hook (optimizer-in-backward) or a custom Function's backward makes states."""
+    if type(args[0]) is ShardedParam and _in_a_backward_formula():
         shape = torch.empty((), dtype=args[0].dtype, device=args[0].device).expand(args[0].shape)
         return func(shape, *args[1:], **kwargs)
     return _local(func, args, kwargs)
+
+
+def _in_a_backward_formula() -> bool:
+    node = torch._C._current_autograd_node()  # the node autograd runs now: None outside a backward
+    return node is not None and not isinstance(node, torch.autograd.function.BackwardCFunction) \
+        and not node.name().endswith("AccumulateGrad")  # (hooks run under AccumulateGrad)
 
 
 @implements([aten.new_empty_strided.default, aten.new_empty.default, aten.new_zeros.default,

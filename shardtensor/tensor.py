@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from . import _compile, _dtensor_bridge
+from . import _compile, _dtensor_bridge, _exports
 from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
 from ._full import full_tensor_of
 from ._grad_landing import GuardedPostAccumulateHook, GuardedTensorHook
@@ -206,9 +206,8 @@ class ShardedParam(torch.Tensor):
         raise TypeError(self._host_copy_refusal("__dlpack__"))
 
     def storage(self):
-        # The wrapper has no storage of its own.  safetensors (save_pretrained with a state_dict= of a sharded
-        # model) tries untyped_storage(), then this, and failed with "data pointer on an invalid python storage"
-        # (helper J).  untyped_storage() is left as torch has it: torch.compile asks it of every tensor.
+        # No storage of its own: safetensors (save_pretrained(state_dict=...)) failed here with "data pointer on an
+        # invalid python storage" (helper J).  untyped_storage() stays torch's: torch.compile asks every tensor.
         raise RuntimeError(self._storage_refusal())
 
     def _storage_refusal(self) -> str:
@@ -321,6 +320,7 @@ class ShardedParam(torch.Tensor):
                 "picklable. Use shardtensor.full_state_dict(model) or shardtensor.checkpoint_files.save_shards."
             )
         spec = (tuple(layout.shape), layout.rows_per_rank, layout.rank, layout.world)
+        _exports.warn_rows_pickled(self._name, layout.rank, layout.world)  # see [Note: exports of a shard's values]
         return _rebuild_sharded_param, (self._local, spec, self._name, self.requires_grad, "_is_param" in self.__dict__)
 
     @classmethod
@@ -372,6 +372,7 @@ def _declare_foreach_support() -> None:
 
 
 _declare_foreach_support()
+_exports.guard_to_dlpack(ShardedParam)
 _compile.skip_in_dynamo(ShardedParam.__torch_dispatch__)  # eager ops between compiled graphs are not re-traced
 
 

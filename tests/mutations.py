@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "to_dlpack_unguarded": Mutation(
+        "shardtensor/_exports.py", "guard_to_dlpack",
+        '    if getattr(original, "_shardtensor_guard", False):', "    if True:",
+        ("tests/test_errors_and_repr.py::test_to_dlpack_of_a_shard_is_refused_not_a_crash",)),
+    "rows_pickled_silently": Mutation(
+        "shardtensor/_exports.py", "warn_rows_pickled",
+        "    if _warned[0] or world == 1:", "    if True:",
+        ("tests/test_errors_and_repr.py::test_torch_save_of_a_sharded_state_dict_warns_that_it_holds_this_ranks_rows",)),
     "zeros_like_plain_in_every_backward_callback": Mutation(
         "shardtensor/_dispatch/local.py", "_in_a_backward_formula",
         "    return node is not None and", "    return torch._C._current_graph_task_id() != -1 or",

@@ -44,6 +44,50 @@ def test_dlpack_exports_are_refused_like_host_copies(export):
     assert torch.equal(torch.as_tensor(call(p.to_local())), p.to_local())  # the way out works
 
 
+@pytest.mark.parametrize("call", ["torch.utils.dlpack.to_dlpack", "torch.to_dlpack"])
+def test_to_dlpack_of_a_shard_is_refused_not_a_crash(call):
+    """Helper I: ``to_dlpack`` is a C builtin that never asks ``__dlpack__``; its capsule of a ShardedParam had
+    data pointer 0 and ``torch.from_dlpack(capsule)`` crashed the process (SIGSEGV).  Run in a child process, so a
+    crash fails this test instead of the whole run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, shardtensor\n"
+        "p = shardtensor.ShardedParam.from_full(torch.randn(5, 3), name='w')\n"
+        "try:\n"
+        f"    torch.from_dlpack({call}(p)).sum()\n"
+        "    print('exported')\n"
+        "except TypeError as exc:\n"
+        "    print('refused:', exc)\n"
+        f"print('plain:', torch.from_dlpack({call}(torch.ones(2))).sum().item())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "refused: to_dlpack of ShardedParam 'w'" in done.stdout and "full_tensor()" in done.stdout, done.stdout
+    assert "plain: 2.0" in done.stdout, done.stdout  # any other tensor passes through torch's own function
+
+
+def pickled_rows_case(path: str) -> list:
+    import warnings
+
+    shardtensor._exports._warned[0] = False  # (a pooled rank process may have pickled a shard in another test)
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Linear(3, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.save(model.state_dict(), f"{path}.{torch.distributed.get_rank()}")
+        torch.save(model.state_dict(), f"{path}.{torch.distributed.get_rank()}")
+    return [str(w.message) for w in caught if "pickling sharded tensor" in str(w.message)]
+
+
+def test_torch_save_of_a_sharded_state_dict_warns_that_it_holds_this_ranks_rows(tmp_path):
+    """Helper J: nanoGPT's ``if master_process: torch.save({'model': raw_model.state_dict()})`` wrote rank 0's
+    rows alone and said nothing until a resume was refused.  Once per process, naming the routes."""
+    for rank, messages in enumerate(run_on_ranks(2, pickled_rows_case, str(tmp_path / "sd.pt"))):
+        assert len(messages) == 1, messages
+        assert f"rank {rank}'s rows of 2" in messages[0] and "save_checkpoint" in messages[0], messages
+
+
 def test_repr_survives_a_broken_layout():
     p = ShardedParam.from_full(torch.randn(4, 2))
     object.__setattr__(p, "_layout", None)  # what a half-built object in a debugger may look like

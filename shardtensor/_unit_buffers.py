@@ -47,7 +47,7 @@ from .reduce import ExactReducer, frozen_in_label
 
 class HeldFull(NamedTuple):
     """A full tensor a unit gathered (``Gatherer.held``), the version of the shard it came from, and the unit
-    (``_units._Unit.regather``: a write to the shard since makes the tensor stale)."""
+    (``_unit._Unit.regather``: a write to the shard since makes the tensor stale)."""
 
     full: torch.Tensor
     version: int

@@ -281,7 +281,7 @@ MUTATIONS = {
         "        with contextlib.nullcontext():",
         ("tests/test_inference_mode.py::test_shard_module_inside_inference_mode_evaluates_like_the_unsharded_model",)),
     "unit_reduces_zeros_while_sync_is_off": Mutation(
-        "shardtensor/_units.py", "reduce",
+        "shardtensor/_unit.py", "reduce",
         "        if not self.grad_sync.enabled and not self.grads and self.flat is None:", "        if False:",
         ("tests/test_units.py::test_micro_batches_under_gradient_sync_off_reduce_nothing",)),
     "composite_views_computed_whole": Mutation(
@@ -689,7 +689,7 @@ MUTATIONS = {
         "if not self._tasks or torch._C._current_graph_task_id() != -1:", "if True:",
         ("tests/test_gather.py::test_a_failed_backward_leaves_no_half_reduced_gradients",)),
     "unheld_gradients_per_parameter": Mutation(
-        "shardtensor/_units.py", "stash_unheld",
+        "shardtensor/_unit.py", "stash_unheld",
         "if len(self.unheld) == sum(p.requires_grad for p in self.params):", "if True:",
         ("tests/test_compile.py::test_compiled_backward_reduces_a_block_in_one_collective",)),
     "same_placement": Mutation(

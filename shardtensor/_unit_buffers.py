@@ -155,6 +155,7 @@ class FullsPool:
 
     def __init__(self):
         self.free: list[torch.Tensor] = []
+        self.fresh = 0  # full tensors ``take`` had to allocate (accounting: a recycled one costs no page faults)
 
     def give(self, full: torch.Tensor) -> None:
         """Keep ``full`` if nothing else holds its memory (a view an op kept, a saved tensor, gloo's alias)."""
@@ -165,6 +166,7 @@ class FullsPool:
         for i, full in enumerate(self.free):
             if full.shape == shape and full.dtype == dtype and full.device == device:
                 return self.free.pop(i)
+        self.fresh += 1
         return torch.empty(shape, dtype=dtype, device=device)
 
     def clear(self) -> None:

@@ -54,6 +54,9 @@ class UnitSet:
         self.pool = FullsPool()
         self.in_flight: list = []  # unit reductions in flight (see finish_reductions)
         self._tasks: set[int] = set()  # graph tasks whose end-of-backward callback is queued and has not run
+        self.root_unit: Optional[_Unit] = None  # the unit of the module shard_module was given, if it is one
+        self._kept: Optional[tuple[_Unit, object]] = None  # its forward's hold, kept for its backward (below)
+        self._carry = False  # the pool holds the next forward's first buffers (see [Note: buffers across steps])
         uses: dict[int, int] = {}
         for _, p in root.named_parameters(remove_duplicate=False):
             uses[id(p)] = uses.get(id(p), 0) + 1
@@ -77,6 +80,8 @@ class UnitSet:
                 self.of_param[id(p)] = (unit, i)
             self.units.append(unit)
             module._shardtensor_unit = unit
+            if module is root:
+                self.root_unit = unit
 
     def attach(self, modules: list[nn.Module], handles: list) -> None:
         for module in modules:
@@ -110,7 +115,8 @@ class UnitSet:
             self._drop_failed_backward()
             unit.hold()
             self._prefetch_after(unit, +1)
-            self.pool.clear()
+            if not (self._carry and unit is self.root_unit):  # the first block's hook takes the rest
+                self._clear_pool()
             if not torch.is_grad_enabled():
                 return None
             flat = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -126,27 +132,59 @@ class UnitSet:
         def hook(module, args, kwargs, output):
             if torch.compiler.is_compiling():
                 return None
-            unit.gives = self._next_overlapped(unit, +1) is not None
-            unit.unhold()
-            unit.gives = False
+            token = self._keep_for_backward(unit, output)
+            if token is None:  # (the root's forward ends the forward: nothing of its gathers follows)
+                unit.gives = unit is not self.root_unit and self._next_overlapped(unit, +1) is not None
+                unit.unhold()
+                unit.gives = False
             if unit.routes_by_data and torch.is_grad_enabled():  # [Note: a unit's output that needs no gradient ...]
                 tied = tie_if_another_rank_needs(unit, (*args, *kwargs.values()), output, unit.params[0]._layout.group)
                 output = output if tied is None else tied
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit),
+                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit, token),
                                                               mode="any")
             return output
 
         return hook
 
-    def _pre_backward(self, unit: _Unit) -> None:
+    def _pre_backward(self, unit: _Unit, token: Optional[object] = None) -> None:
         unit.backward_task = self._queue_end_of_backward()
-        unit.hold()
+        if token is not None and self._kept is not None and self._kept[1] is token:
+            self._kept = None  # the hold its forward kept becomes this backward's
+        else:
+            unit.hold()
         unit.backward_holds += 1
-        unit.gives = self._next_overlapped(unit, -1) is not None  # for the unhold after backward
+        last = self._next_overlapped(unit, -1) is None
+        unit.gives = not last or self._carries()  # for the unhold after backward
         self._prefetch_after(unit, -1)
-        self.pool.clear()
+        if not (last and self._carries()):  # the last unit's backward keeps what the one before it freed
+            self._clear_pool()
+
+    # [Note: the root unit's hold into its backward]
+    # The root unit is held through the whole forward, and its backward is the first to run: freeing its
+    # parameters after the forward only to gather them again a moment later costs a gather, an identity check
+    # and, on the CPU, page faults for nothing.  FSDP2 does not reshard its root after the forward either.  In
+    # overlapped mode a forward with gradients, outside any backward (not an activation checkpoint's recomputation),
+    # keeps the root unit's hold with a token; the backward of that same forward takes it over, and the next root
+    # forward releases a hold that no backward took (an evaluation with gradients on, a forward whose loss was
+    # dropped).  A backward of an older forward gathers as before.  Every rank decides alike: the mode is agreed,
+    # and grad mode and the graph are the program's.
+    def _keep_for_backward(self, unit: _Unit, output) -> Optional[object]:
+        """A token for the hold kept for this forward's backward (see the note above); None: release it now."""
+        if unit is not self.root_unit or unit.routes_by_data or not torch.is_grad_enabled() \
+                or torch._C._current_graph_task_id() != -1 or self.gatherer.reduce_overlap_bytes() <= 0 \
+                or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+            return None
+        self._release_kept()
+        token = object()
+        self._kept = (unit, token)
+        return token
+
+    def _release_kept(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept[0].unhold()
 
     # [Note: nested and failed backwards]
     # A backward can run inside another: reentrant activation checkpointing recomputes a block and runs its own
@@ -166,6 +204,7 @@ class UnitSet:
         if not self._tasks or torch._C._current_graph_task_id() != -1:
             return
         self._tasks.clear()
+        self._kept = None
         for unit in self.units:
             unit.reset()
         self.in_flight.clear()
@@ -178,18 +217,40 @@ class UnitSet:
             neighbour.prefetch()
 
     def _next_overlapped(self, unit: _Unit, step: int) -> Optional[_Unit]:
-        """The next unit this way, in overlapped mode; None in sequential mode (lowest peak: no prefetch, no reuse)."""
+        """The next unit this way, in overlapped mode; None in sequential mode (lowest peak: no prefetch, no reuse).
+        The root unit, listed last, is held around every block: its forward is followed by the first block's."""
         k = self.units.index(unit) + step
+        if unit is self.root_unit and step > 0:
+            k = 0 if self.units[0] is not unit else len(self.units)
         return self.units[k] if self.gatherer.reduce_overlap_bytes() > 0 and 0 <= k < len(self.units) else None
+
+    # [Note: buffers across steps]
+    # On the CPU a full tensor allocated afresh costs its page faults (``_unit_buffers``, [Note: recycled full
+    # tensors]), and within a step the pool recycles only between neighbouring units: every step began with fresh
+    # buffers for the root unit and the first two blocks.  In overlapped mode on the CPU the units the backward
+    # frees last (the root, the first block, the one after it) hand their buffers to the pool, which keeps them
+    # through the optimizer step until the next forward's first gathers take them (the root's pre-forward hook,
+    # then the first block's, which empties the pool).  The memory they hold then is what those gathers hold a
+    # moment later, and the optimizer step's own peak is far below a forward's or a backward's (shards and their
+    # moments, against those plus the activations and gathered units).  CUDA's caching allocator already reuses
+    # freed blocks, so there nothing is carried.
+    def _carries(self) -> bool:
+        return self.gatherer.reduce_overlap_bytes() > 0 and self.units[0].params[0]._local.device.type == "cpu"
+
+    def _clear_pool(self) -> None:
+        self._carry = False
+        self.pool.clear()
 
     def step_begin(self, *args) -> None:
         """Root forward: prefetches nobody used (the order changed) are completed and dropped."""
         if torch.compiler.is_compiling():
             return
         self._drop_failed_backward()
+        self._release_kept()
         for unit in self.units:
             unit.drop_prefetch()
-        self.pool.clear()
+        if not self._carry:
+            self._clear_pool()
 
     def _end_of_backward(self, task: int) -> None:
         """Units this backward held whose inputs needed no gradient (no post-backward node ran): free and reduce,
@@ -199,12 +260,16 @@ class UnitSet:
             unit.drop_prefetch()
             if unit.backward_task in self._tasks:  # held by a backward still running around this one
                 continue
-            unit.gives = False  # nothing follows
+            unit.gives = self._carries()  # (see [Note: buffers across steps])
             while unit.backward_holds:
                 unit.post_backward()
+            unit.gives = False
             unit.reduce_unheld()
         finish_reductions(self.in_flight)
-        self.pool.clear()
+        if self._carries() and not self._tasks:
+            self._carry = True
+        else:
+            self._clear_pool()
 
 
 def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_sync: GradSync,

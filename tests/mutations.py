@@ -28,6 +28,18 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "root_regathered_for_backward": Mutation(
+        "shardtensor/_units.py", "_keep_for_backward",
+        "        if unit is not self.root_unit or", "        if True or unit is not self.root_unit or",
+        ("tests/test_unit_schedule.py::test_the_root_unit_is_gathered_once_per_step",)),
+    "kept_root_hold_outlives_its_forward": Mutation(
+        "shardtensor/_units.py", "step_begin",
+        "        self._release_kept()\n", "",
+        ("tests/test_unit_schedule.py::test_the_root_unit_is_gathered_once_per_step",)),
+    "pool_not_carried_into_the_next_forward": Mutation(
+        "shardtensor/_units.py", "_end_of_backward",
+        "        if self._carries() and not self._tasks:", "        if False:",
+        ("tests/test_unit_schedule.py::test_buffers_freed_at_the_end_of_a_backward_serve_the_next_forward",)),
     "to_dlpack_unguarded": Mutation(
         "shardtensor/_exports.py", "guard_to_dlpack",
         '    if getattr(original, "_shardtensor_guard", False):', "    if True:",

@@ -110,9 +110,9 @@ def labelled(text: str) -> Iterator[None]:
 
 def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str, seq: int) -> None:
     """The identity check's own exchange (``_comm_divergence``): not itself checked, but timed and probed."""
-    control = _div.control_group(group)
-    if control is not None:
-        _TimedWork(control._allgather_base(out, inp), "identity all-gather", inp, group, what, seq).wait()
+    start = _div.record_exchange(group)  # shared memory or the control group, once the first exchange built one
+    if start is not None:
+        _TimedWork(start(out, inp), "identity all-gather", inp, group, what, seq).wait()
         return
     exchange = _div.StoreExchange.open(group, inp, seq)  # the group's first exchange (see its docstring)
     if exchange is not None:

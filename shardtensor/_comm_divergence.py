@@ -9,9 +9,9 @@ different tensors: same sizes mix silently, different sizes abort in gloo's C++ 
 op.nbytes``).  So before each data collective the ranks all-gather a seven-number record (the group's sequence
 number, the collective's kind, a CRC of its label -- which names the parameter --, the element count, the
 dtype, the optimizer steps this rank ran over the group's parameters and a digest of their settings, see [Note:
-optimizer steps in the record]) on a gloo control group of the data group's own (``control_group``), where it
-does not queue behind the gathers already prefetched on the data group (the group's first record goes through the default store:
-``StoreExchange``).  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
+optimizer steps in the record]) apart from the data group, where it would queue behind the prefetched gathers:
+through shared memory where the ranks share a host (``_comm_mailbox``), else on a gloo control group of the data
+group's own (``control_group``); the group's first record goes through the default store (``StoreExchange``).  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
 ``DivergenceError`` (after one more exchange of the full labels, so the message names both parameters), and the
 data collective is never issued.  ``set_divergence_check(False)`` or ``SHARDTENSOR_DIVERGENCE_CHECK=0`` turns
 it off.  CUDA (NCCL) groups skip it by default: the records travel on the CPU (the control group is gloo, so
@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import _comm_mailbox as _mailbox
 from ._comm_work import CollectiveError
 
 
@@ -144,26 +145,25 @@ def _describe(kind: str, label: str, numel: int, dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- control groups
-_controls: dict = {}  # id(data group) -> (data group, its control group)
-_incarnations: dict = {}  # data group name -> control groups this process has built for that name
+_transports: dict = {}  # id(data group) -> (data group, how its records travel: ``(out, inp) -> work``)
+_incarnations: dict = {}  # data group name -> transports this process has built for that name
 
 
-def control_group(group):
-    """The gloo group that carries ``group``'s identity records once built (see [Note: the identity check]),
-    else None: the records then travel on ``group`` itself."""
-    hit = _controls.get(id(group) if group is not None else 0)
+def record_exchange(group):
+    """``start(out, inp) -> work``: an all-gather of ``group``'s identity records through shared memory or its
+    control group, once its first exchange built one; else None (see [Note: the identity check])."""
+    hit = _transports.get(id(group) if group is not None else 0)
     return hit[1] if hit is not None and hit[0] is group else None
 
 
 def build_control_group(group, timeout_s: float) -> None:
-    """Build ``group``'s control group, right after the group's first identity exchange completed.
+    """Build ``group``'s mailbox or control group, right after the group's first identity exchange completed.
 
-    Why a second group: records sent on the data group queue behind the prefetches already in flight there, so
-    every check would wait for the gathers before it and overlap would be lost.  Why then: every member has
-    just completed the same exchange (the first one, through the store, where a wait is watched by the stall
-    probes), so every member arrives here at once; a rank that diverged earlier never gets here.  Built straight
-    from the default store under a name derived from the data group's, which every member shares, and not
-    registered with c10d, whose names for new groups depend on how many groups each process has made.
+    Why apart from the data group: records there queue behind the prefetches in flight, so each check would wait
+    for them and overlap would be lost.  Why then: every member has just completed the same exchange (the first,
+    through the store, its wait watched by the stall probes), so all arrive here at once; a rank that diverged
+    earlier never gets here.  Built from the default store under a name derived from the data group's, which
+    every member shares, not registered with c10d (whose names depend on how many groups a process made).
     """
     store = _store()
     if store is None:  # no default store (a custom launcher): the records stay on the data group
@@ -173,11 +173,16 @@ def build_control_group(group, timeout_s: float) -> None:
         return                          # and its store cannot host a real gloo group
     name = getattr(pg, "group_name", "?")
     incarnation = _incarnations.get(name, 0)
-    prefix = dist.PrefixStore(f"shardtensor/control/{name}/{incarnation}/", store)
-    control = dist.ProcessGroupGloo(prefix, dist.get_rank(pg), dist.get_world_size(pg),
-                                    datetime.timedelta(seconds=timeout_s))
-    _incarnations[name] = incarnation + 1  # counted once built: a setup that timed out is retried under its name
-    _controls[id(group) if group is not None else 0] = (group, control)
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    box = _mailbox.open_mailbox(dist.PrefixStore(f"shardtensor/mailbox/{name}/{incarnation}/", store), rank, world,
+                                timeout_s)
+    start = box.exchange if box is not None else None
+    if start is None:
+        control = dist.ProcessGroupGloo(dist.PrefixStore(f"shardtensor/control/{name}/{incarnation}/", store), rank,
+                                        world, datetime.timedelta(seconds=timeout_s))
+        start = control._allgather_base
+    _incarnations[name] = incarnation + 1  # once built: a setup that timed out is retried under its name
+    _transports[id(group) if group is not None else 0] = (group, start)
 
 
 def _store():

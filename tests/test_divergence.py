@@ -143,18 +143,28 @@ def test_moe_with_the_default_units_runs_on_every_rank(mode):
     assert [out["error"] for out in outcomes] == [None, None], outcomes
 
 
-def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False) -> dict:
+def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False, records: str = "shm") -> dict:
     """Each rank blocks in a collective of a different group: the identity check cannot meet, the probes can.
     With ``earlier_failure``, rank 1 failed just before and the ranks went on together: that failure is over and
-    must not be taken for the current one (a rank that did would raise alone and leave the other waiting)."""
+    must not be taken for the current one (a rank that did would raise alone and leave the other waiting).
+    ``records``: how the groups' identity records travel, "shm" (ranks of one host) or "gloo" (a control group,
+    as between hosts)."""
+    import os
+
     import torch.distributed as dist
 
     import shardtensor
     from shardtensor import _comm, _comm_divergence, _comm_stall
+    from shardtensor._comm_mailbox import Mailbox
 
     groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
     torch.manual_seed(0)
-    models = [shardtensor.shard_module(_Blocks(1), gather=mode, group=g) for g in groups]
+    os.environ["SHARDTENSOR_SHM_RECORDS"] = "1" if records == "shm" else "0"
+    try:
+        models = [shardtensor.shard_module(_Blocks(1), gather=mode, group=g) for g in groups]
+    finally:
+        del os.environ["SHARDTENSOR_SHM_RECORDS"]
+    assert isinstance(_comm_divergence.record_exchange(groups[0]).__self__, Mailbox) == (records == "shm")
     if earlier_failure:
         if dist.get_rank() == 1:
             _comm_stall.publish_failure("an earlier failure, already over")
@@ -164,20 +174,21 @@ def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False)
     x = torch.randn(4, 8, dtype=torch.float64)
     order = models if dist.get_rank() == 0 else models[::-1]
     out = _outcome(lambda: [m(x).backward() for m in order])
-    # Once both ranks have raised, complete the identity exchange each left pending on its group's control
-    # group, so the pool's ranks stay usable.
+    # Once both ranks have raised, complete the identity exchange each left pending on its group, so the pool's
+    # ranks stay usable.
     dist.barrier()
-    other = _comm_divergence.control_group(groups[1 - dist.get_rank()])
-    fields = _comm_divergence._FIELDS
-    other._allgather_base(torch.empty(2 * fields, dtype=torch.int64), torch.zeros(fields, dtype=torch.int64)).wait()
+    other, fields = groups[1 - dist.get_rank()], _comm_divergence._FIELDS
+    everyone, mine = torch.empty(2 * fields, dtype=torch.int64), torch.zeros(fields, dtype=torch.int64)
+    _comm_divergence.record_exchange(other)(everyone, mine).wait()
     for g in groups:
         dist.destroy_process_group(g)
     return out
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_ranks_blocked_in_different_groups_raise_on_every_rank_in_seconds(mode):
-    outcomes = run_on_ranks(2, models_on_two_groups_in_rank_order, mode, timeout=60)
+@pytest.mark.parametrize("records", ["shm", "gloo"])
+def test_ranks_blocked_in_different_groups_raise_on_every_rank_in_seconds(mode, records):
+    outcomes = run_on_ranks(2, models_on_two_groups_in_rank_order, mode, False, records, timeout=60)
     _assert_named_everywhere(outcomes, "blocked in a different collective", "'blocks.0.")
 
 

@@ -5,8 +5,7 @@ decides *how*.  Version differences (``all_gather_single`` replacing ``all_gathe
 ``reduce_scatter_single`` replacing ``reduce_scatter_tensor``) are absorbed in one place, and so is the timeout
 that keeps a dead or diverged rank from hanging the others (see [Note: every collective has a timeout]).
 
-All functions accept ``group=None`` (the default group) and work without an initialised process group when the
-world is a single process, so single-process use needs no ``init_process_group``.
+All functions accept ``group=None`` (the default group) and work without a process group in a one-process world.
 """
 
 from __future__ import annotations
@@ -72,10 +71,11 @@ from . import _comm_divergence as _div  # noqa: E402
 from . import _comm_stall as _stall  # noqa: E402
 
 
-def _check(kind: str, tensor: torch.Tensor, group, label: str) -> int:
+def _check(kind: str, tensor: torch.Tensor, group, label: str, vote: bool | None = None):
     """Before every data collective: the group's sequence number, after the cross-rank identity check
-    (see [Note: the identity check] in ``_comm_divergence``)."""
-    return _div.check_identity(kind, tensor, group, label or _label.get(), _identity_all_gather)
+    (see [Note: the identity check] in ``_comm_divergence``); with a ``vote``, also whether every rank voted yes."""
+    seq, all_yes = _div.check_identity(kind, tensor, group, label or _label.get(), _identity_all_gather, bool(vote))
+    return seq if vote is None else (seq, all_yes)
 
 
 def count_optimizer_step(group, settings: int = 0) -> None:

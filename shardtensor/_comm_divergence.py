@@ -9,9 +9,10 @@ different tensors: same sizes mix silently, different sizes abort in gloo's C++ 
 op.nbytes``).  So before each data collective the ranks all-gather a seven-number record (the group's sequence
 number, the collective's kind, a CRC of its label -- which names the parameter --, the element count, the
 dtype, the optimizer steps this rank ran over the group's parameters and a digest of their settings, see [Note:
-optimizer steps in the record]) apart from the data group, where it would queue behind the prefetched gathers:
-through shared memory where the ranks share a host (``_comm_mailbox``), else on a gloo control group of the data
-group's own (``control_group``); the group's first record goes through the default store (``StoreExchange``).  Every rank receives the same records, so every rank sees a mismatch at once and raises the same
+optimizer steps in the record]) apart from the data group, where it would queue behind prefetched gathers:
+through shared memory where the ranks share a host (``_comm_mailbox``), else on a gloo group of its own
+(``record_exchange``); the first record goes through the store.  Every rank receives the same records, so every
+rank sees a mismatch at once and raises the same
 ``DivergenceError`` (after one more exchange of the full labels, so the message names both parameters), and the
 data collective is never issued.  ``set_divergence_check(False)`` or ``SHARDTENSOR_DIVERGENCE_CHECK=0`` turns
 it off.  CUDA (NCCL) groups skip it by default: the records travel on the CPU (the control group is gloo, so
@@ -37,15 +38,14 @@ from . import _comm_mailbox as _mailbox
 from ._comm_work import CollectiveError
 
 
-_FIELDS = 7  # seq, kind, label crc, numel, dtype, optimizer steps and their settings (see [Note: optimizer steps
-#              in the record])
+_FIELDS = 7  # seq, kind, label crc, numel, dtype, optimizer steps, their settings; then a vote, not compared
 _LABEL_BYTES = 512
 _FIX = (
     "Every rank must run the same ops on sharded parameters, in the same order. Code under `if rank == 0:` that "
     "reads or loads sharded parameters or gradients (an evaluation, generate(), logging p.grad.norm(), "
-    "full_state_dict, load_state_dict) runs collectives the other ranks do not: run it on every rank and print "
-    "on one (full_state_dict(model, rank0_only=True) on every rank gives rank 0 the tensors). A submodule whose use depends on "
-    "the data (mixture-of-experts experts called only for routed tokens, blocks skipped or repeated per rank) "
+    "full_state_dict, load_state_dict) runs collectives the other ranks do not: run it on every rank and print on "
+    "one (full_state_dict(model, rank0_only=True) on every rank gives rank 0 the tensors). A submodule whose use "
+    "depends on the data (mixture-of-experts experts called only for routed tokens, blocks skipped or repeated per rank) "
     "must gather the same on every rank: make the module that holds the experts a gather unit "
     "(shard_module(..., units=[ExpertsModuleClass]): its parameters are gathered and reduced together, whatever "
     "the data), call every expert on every rank (with zero tokens if none is routed to it), or keep "
@@ -176,8 +176,7 @@ def build_control_group(group, timeout_s: float) -> None:
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     box = _mailbox.open_mailbox(dist.PrefixStore(f"shardtensor/mailbox/{name}/{incarnation}/", store), rank, world,
                                 timeout_s)
-    start = box.exchange if box is not None else None
-    if start is None:
+    if (start := box.exchange if box is not None else None) is None:
         control = dist.ProcessGroupGloo(dist.PrefixStore(f"shardtensor/control/{name}/{incarnation}/", store), rank,
                                         world, datetime.timedelta(seconds=timeout_s))
         start = control._allgather_base
@@ -232,29 +231,30 @@ class StoreExchange:
         rows = [torch.frombuffer(bytearray(self.store.get(k)), dtype=torch.uint8) for k in self.keys]
         out.copy_(torch.cat(rows).view(self.like.dtype).view(out.shape))
 
-
 # ---------------------------------------------------------------------------------------------- identity check
-def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gather) -> int:
+def check_identity(kind: str, tensor: torch.Tensor, group, label: str, all_gather, vote=True) -> tuple[int, bool]:
     """Advance this rank's position on ``group``; when the check is on, exchange the identity record and raise
-    ``DivergenceError`` on every rank if any rank is about to issue something else.  Returns the sequence number."""
+    ``DivergenceError`` on every rank if any rank is about to issue something else.  Returns the sequence number
+    and whether every rank voted yes: a choice all must make alike, carried beside the record (``_comm_rows``:
+    is each rank's shared-memory slot free); no where the check is off."""
     pos = position(group)
     pos.seq += 1
     pos.label = label or kind
     if not divergence_check_enabled(tensor.device.type):
-        return pos.seq
+        return pos.seq, False
     started = time.perf_counter()
     world = dist.get_world_size(group)
     dtype_code = _crc(str(tensor.dtype))
     steps, settings = (pos.steps, pos.settings) if not _steps_left_out else (0, 0)
     mine = torch.tensor([pos.seq, _crc(_caller_mark() + kind), _crc(label), tensor.numel(), dtype_code, steps,
-                         settings], dtype=torch.int64)
-    everyone = torch.empty(world * _FIELDS, dtype=torch.int64)
-    all_gather(everyone, mine, group, f"identity check before {pos.label}", pos.seq)
-    if torch.equal(everyone.view(world, _FIELDS), mine.expand(world, _FIELDS)):
+                         settings, int(vote)], dtype=torch.int64)
+    everyone = torch.empty(world * (_FIELDS + 1), dtype=torch.int64).view(world, _FIELDS + 1)
+    all_gather(everyone.view(-1), mine, group, f"identity check before {pos.label}", pos.seq)
+    if torch.equal(everyone[:, :_FIELDS], mine[:_FIELDS].expand(world, _FIELDS)):
         _stats[0] += 1
         _stats[1] += time.perf_counter() - started
-        return pos.seq
-    records = everyone.view(world, _FIELDS).tolist()
+        return pos.seq, bool(everyone[:, _FIELDS].all())
+    records = everyone[:, :_FIELDS].tolist()
     if all(r[:5] == records[0][:5] for r in records):
         _raise_step_divergence(records, group, pos)
     # Every rank holds the same records, so every rank is here: one more exchange for the full names.

@@ -133,9 +133,16 @@ class MailboxWork:
 def open_mailbox(store, rank: int, world: int, timeout_s: float) -> Optional[Mailbox]:
     """Every member of a group calls this together (``store``: a prefix of the default store for this group);
     every member gets a mailbox, or every member gets None."""
-    wanted = (os.environ.get("SHARDTENSOR_SHM_RECORDS", "1") != "0" and hasattr(os, "sched_yield")
-              and os.path.isdir(_SHM_DIR))
-    size = _PREAMBLE + world * _SLOTS * _SLOT_BYTES
+    wanted = os.environ.get("SHARDTENSOR_SHM_RECORDS", "1") != "0" and hasattr(os, "sched_yield")
+    mapping = map_shared(store, rank, world, _PREAMBLE + world * _SLOTS * _SLOT_BYTES, timeout_s, wanted)
+    return Mailbox(mapping, rank, world) if mapping is not None else None
+
+
+def map_shared(store, rank: int, world: int, size: int, timeout_s: float, wanted: bool) -> Optional[mmap.mmap]:
+    """One file of ``size`` bytes (after a ``_PREAMBLE``'s nonce) mapped by every member of a group, or None on
+    every member where any cannot map it (or does not want it).  Every member calls this together; ``store`` is
+    a prefix of the default store of the members' own."""
+    wanted = wanted and os.path.isdir(_SHM_DIR)
     wait = datetime.timedelta(seconds=timeout_s)
     mapping, path = None, ""
     if rank == 0:
@@ -156,7 +163,7 @@ def open_mailbox(store, rank: int, world: int, timeout_s: float) -> Optional[Mai
         except OSError:
             pass
     if everyone:
-        return Mailbox(mapping, rank, world)
+        return mapping
     if mapping is not None:
         mapping.close()
     return None

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from . import _comm, _comm_shm
 from ._comm_work import P2P_IN_FLIGHT as _IN_FLIGHT, _DoneWork, _rows_alias, _WorkList
 
 ProcessGroup = Optional["dist.ProcessGroup"]
@@ -31,15 +31,18 @@ def _rank_blocks(buffers: list[torch.Tensor], world: int):
 
 @torch.no_grad()
 def all_gather_in_place(buffers: list[torch.Tensor], group: ProcessGroup = None, *, async_op: bool = False,
-                        label: str = ""):
+                        label: str = "", channel: Optional[_comm_shm.Channel] = None):
     """Complete several contiguous ``(world * rows, ...)`` buffers (one dtype) whose rows of this rank are
     written: gloo CPU only (``_comm.on_gloo_cpu``).  One identity check for all, then one broadcast per
-    (buffer, rank): each buffer can be a parameter's full tensor, so nothing is staged or copied out."""
-    world, kind = _comm.world_size(group), "all-gather in place (broadcasts)"
+    (buffer, rank): each buffer can be a parameter's full tensor, so nothing is staged or copied out.  Through
+    ``channel`` where its slot holds this rank's rows (see [Note: unit collectives through shared memory])."""
+    world, kind = _comm.world_size(group), "all-gather in place"
     if world == 1:
         return _DoneWork()
     total = buffers[0].new_empty(1).expand(sum(b.numel() for b in buffers))  # the check's size: no memory
-    seq = _comm._check(kind, total, group, label)
+    seq, shared = _check(kind, total, group, label, channel, total.numel() // world)
+    if shared:
+        return _comm._issued(channel.gather(buffers), kind + " (shared memory)", total, group, async_op, label, seq)
     works = [dist.broadcast(rows, src=_comm.global_rank_of(group, r), group=group, async_op=True)
              for r, rows in _rank_blocks(buffers, world)]
     return _comm._issued(_WorkList(works), kind, total, group, async_op, label, seq)
@@ -47,19 +50,23 @@ def all_gather_in_place(buffers: list[torch.Tensor], group: ProcessGroup = None,
 
 @torch.no_grad()
 def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = None, *, async_op: bool = False,
-                            label: str = "") -> tuple[list[torch.Tensor], object]:
+                            label: str = "", channel: Optional[_comm_shm.Channel] = None
+                            ) -> tuple[list[torch.Tensor], object]:
     """Sum several contiguous ``(world * rows, ...)`` buffers (one dtype) over ranks: this rank's rows of each,
     as views, hold the sums once the returned work is waited for (``async_op=False``: already).  gloo CPU only,
     inside ``inputs_may_be_overwritten()``.  One identity check, then, for each buffer, this rank's rows of
     every other rank sent to it and theirs of this rank's received into scratch, added at the wait
     (*[Note: a reduce-scatter by sends]*)."""
-    world, kind = _comm.world_size(group), "reduce-scatter in place (sends)"
+    world, kind = _comm.world_size(group), "reduce-scatter in place"
     if world == 1:
         return list(buffers), _DoneWork()
     if not _comm.inputs_overwritable():
         raise AssertionError("reduce_scatter_in_place overwrites its inputs: call it in inputs_may_be_overwritten()")
     total = buffers[0].new_empty(1).expand(sum(b.numel() for b in buffers))
-    seq = _comm._check(kind, total, group, label)
+    seq, shared = _check(kind, total, group, label, channel, total.numel() // world * (world - 1))
+    if shared:
+        rows, work = channel.reduce_scatter(buffers)
+        return rows, _comm._issued(work, kind + " (shared memory)", total, group, async_op, label, seq)
     me, tag = _comm.rank(group), seq % _P2P_TAGS
     works, sums = [], []
     for buffer in buffers:
@@ -75,6 +82,17 @@ def reduce_scatter_in_place(buffers: list[torch.Tensor], group: ProcessGroup = N
     _IN_FLIGHT[:] = [w for w in _IN_FLIGHT if not w.is_completed()] + works  # see the note below
     work = _comm._issued(_AddOnWait(_WorkList(works), sums), kind, total, group, async_op, label, seq)
     return [b[me * (b.shape[0] // world):(me + 1) * (b.shape[0] // world)] for b in buffers], work
+
+
+def _check(kind: str, total: torch.Tensor, group, label: str, channel: Optional[_comm_shm.Channel],
+           share: int) -> tuple[int, bool]:
+    """The identity check: its sequence number, and whether the collective goes through ``channel``: where a
+    slot holds ``share`` elements and every rank's next slot is free (a vote in the same exchange, so every rank
+    decides alike; see [Note: unit collectives through shared memory])."""
+    if channel is None or not channel.fits(share * total.element_size()):
+        return _comm._check(kind, total, group, label), False
+    channel.progress()  # (what peers posted for this rank's pending collectives: it frees their slots)
+    return _comm._check(kind, total, group, label, channel.next_slot_free())
 
 
 # [Note: a reduce-scatter by sends]

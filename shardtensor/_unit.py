@@ -32,6 +32,7 @@ class _Unit:
         self._held_keys: list[int] = []
         self._fulls: list[torch.Tensor] = []  # held full tensors the UnitSet's pool may recycle when ``gives``
         self.pool, self.gives = None, False  # (see [Note: recycled full tensors])
+        self.channel = None  # the UnitSet's shared-memory channel, if any (see _comm_shm)
         self.in_flight: list = []  # UnitSet's reductions in flight (see finish_reductions)
         self.unheld: set[int] = set()  # positions stashed outside a hold (see [Note: unheld gradients])
         self.backward_task = -1  # the graph task that last held the unit for backward
@@ -94,7 +95,13 @@ class _Unit:
         versions = [param._local._version for param in self.params]  # what the gathered data is (see regather)
         shards = [self._shard_for_gather(param) for param in self.params]
         self.gatherer.gathers += len(self.params)
-        return shards, issue_unit_gathers(self.params, shards, self._label, async_op, self.pool), versions
+        return shards, issue_unit_gathers(self.params, shards, self._label, async_op, self.pool,
+                                          self._channel()), versions
+
+    def _channel(self):
+        """Overlapped mode's shared-memory channel, if the UnitSet opened one (see ``_comm_shm``); None in
+        sequential mode (the lowest peak: its slots would add to it) and under memory pressure."""
+        return self.channel if self.channel is not None and self.gatherer.reduce_overlap_bytes() > 0 else None
 
     def _shard_for_gather(self, param: ShardedParam) -> torch.Tensor:
         g = self.gatherer
@@ -156,7 +163,8 @@ class _Unit:
         strategy = self.grad_sync.strategy
         if self.flat is not None and self.flat.dtype == flat_dtype(self.params, strategy):
             flat, self.flat = self.flat, None
-            finish = reduce_exact(self.name, self.params, None, None, strategy.reduce_dtype, flat, async_op=True)
+            finish = reduce_exact(self.name, self.params, None, None, strategy.reduce_dtype, flat, async_op=True,
+                                  channel=self._channel())
             self.in_flight.append((self._accumulate, finish))
             # Overlapped: in flight during the next unit's backward; sequential (lowest peak): finished now.
             return finish_reductions(self.in_flight, keep=1 if self.gatherer.reduce_overlap_bytes() > 0 else 0)
@@ -168,7 +176,8 @@ class _Unit:
         fulls = [torch.zeros(p._layout.shape, dtype=p.dtype, device=p._local.device) if g is None else g
                  for p, g in zip(self.params, fulls)]
         if type(strategy) is ExactReducer and all(type(p._layout) is ShardLayout for p in self.params):
-            shards, flags = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype)
+            shards, flags = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype,
+                                         channel=self._channel())
         else:  # another reducer or placement: the flags in one all-reduce, then each parameter in order
             flags = mine.clone()
             _comm.all_reduce(flags, self.params[0]._layout.group)

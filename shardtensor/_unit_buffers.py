@@ -107,7 +107,7 @@ class UnitGather(NamedTuple):
 
 @torch.no_grad()  # the writes go into buffers (out=), which autograd refuses for shards needing grad
 def issue_unit_gathers(params: Sequence, shards: list[torch.Tensor], label, async_op: bool,
-                       pool: Optional[FullsPool] = None) -> list[UnitGather]:
+                       pool: Optional[FullsPool] = None, channel=None) -> list[UnitGather]:
     """Issue the gathers of a unit's dim-0 parameters from ``shards`` (see [Note: unit gathers]); ``label``
     names a list of positions.  The result goes to ``complete_unit_gathers``."""
     issued = []
@@ -128,7 +128,7 @@ def issue_unit_gathers(params: Sequence, shards: list[torch.Tensor], label, asyn
         with _comm.labelled(label(positions)):
             if in_place:
                 work = _comm_rows.all_gather_in_place([rows, *fulls.values()] if flat else list(fulls.values()),
-                                                      group, async_op=async_op)
+                                                      group, async_op=async_op, channel=channel)
             else:
                 work = _comm.all_gather_rows(rows[me], group, async_op=async_op, out=rows.view(-1)).work
         issued.append(UnitGather(flat, rows, fulls, work))
@@ -252,7 +252,8 @@ class FlatGrads:
 
 
 def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]], mine: Optional[torch.Tensor],
-                 reduce_dtype: Optional[torch.dtype], grads: Optional[FlatGrads] = None, async_op: bool = False):
+                 reduce_dtype: Optional[torch.dtype], grads: Optional[FlatGrads] = None, async_op: bool = False,
+                 channel=None):
     """A unit's mean gradient shards and summed has-gradient flags, by one reduce-scatter of ``grads`` (built
     in place; its own flags) or of ``fulls`` (this rank's full gradients, padded, cast and concatenated here)
     with ``mine``, this rank's has-gradient flags.  ``async_op``: a function that waits and returns them."""
@@ -275,7 +276,7 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
             _comm.inputs_may_be_overwritten(True):
         if _in_place(world, flat.dtype, flat.device, group):
             rows, work = _comm_rows.reduce_scatter_in_place([flat.view(world, -1), *direct.values()], group,
-                                                            async_op=True)
+                                                            async_op=True, channel=channel)
         else:
             result = _comm.reduce_scatter_rows(flat.reshape(-1), group, async_op=True)
             rows, work = [result.buffer], result.work

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _grad_landing, _misuse
+from . import _comm, _comm_shm, _grad_landing, _misuse
+from ._layout import ShardLayout
 from .gather import GatherMode
 from ._unit import _Unit
 from ._unit_autograd import PostBackward, tie_if_another_rank_needs
@@ -82,6 +83,22 @@ class UnitSet:
             module._shardtensor_unit = unit
             if module is root:
                 self.root_unit = unit
+
+    def open_channel(self) -> None:
+        """Open the shared-memory channel for the units' collectives where every rank shares this host (see
+        ``_comm_shm``): slots as large as the largest unit's share that one collective writes."""
+        layouts = [p._layout for unit in self.units for p in unit.params]
+        group = layouts[0].group
+        if any(type(lay) is not ShardLayout or lay.group is not group for lay in layouts) or \
+                not all(_comm.on_gloo_cpu(p._local.device, group) for unit in self.units for p in unit.params):
+            return
+        dtypes = {p.dtype for unit in self.units for p in unit.params}  # gathered, reduced, or cast to these:
+        dtypes |= {self.gatherer.param_dtype, getattr(self.units[0].grad_sync.strategy, "reduce_dtype", None)}
+        itemsize = max(torch.empty((), dtype=d).element_size() for d in dtypes if d is not None)
+        share = max(sum(p._layout.local_shape().numel() + 1 for p in unit.params) for unit in self.units)  # (+flags)
+        channel = _comm_shm.Channel.open(group, (layouts[0].world - 1) * share * itemsize, _comm.collective_timeout())
+        for unit in self.units:
+            unit.channel = channel
 
     def attach(self, modules: list[nn.Module], handles: list) -> None:
         for module in modules:
@@ -282,4 +299,6 @@ def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_s
     handles.append(root.register_forward_pre_hook(units.step_begin))  # before a root unit's own hook
     units.attach(modules, handles)
     grad_sync.units = units
+    if gatherer.mode is not GatherMode.SEQUENTIAL:
+        units.open_channel()
     return units

@@ -28,6 +28,19 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "channel_sums_in_another_order": Mutation(
+        "shardtensor/_comm_shm.py", "__init__",
+        "        self.peers = [(channel.rank - k) % channel.world", "        self.peers = [(channel.rank + k) % channel.world",
+        ("tests/test_comm_shm.py::test_gathers_and_reductions_give_every_rank_gloos_bits",)),
+    "channel_vote_ignored": Mutation(
+        "shardtensor/_comm_rows.py", "_check",
+        "_comm._check(kind, total, group, label, channel.next_slot_free())",
+        "_comm._check(kind, total, group, label, True)",
+        ("tests/test_comm_shm.py::test_a_collective_goes_over_gloo_on_every_rank_where_any_slot_is_still_unread",)),
+    "channel_read_not_marked": Mutation(
+        "shardtensor/_comm_shm.py", "_took",
+        "        _WORD.pack_into(self.mapping, self._read_at(self.rank, peer, work.slot), work.number)\n", "",
+        ("tests/test_comm_shm.py::test_a_slot_is_never_written_before_its_readers_are_done",)),
     "mailbox_takes_a_torn_slot": Mutation(
         "shardtensor/_comm_mailbox.py", "read",
         "        return payload if _crc(found, payload) == crc else None", "        return payload",

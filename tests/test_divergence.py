@@ -177,7 +177,7 @@ def models_on_two_groups_in_rank_order(mode: str, earlier_failure: bool = False,
     # Once both ranks have raised, complete the identity exchange each left pending on its group, so the pool's
     # ranks stay usable.
     dist.barrier()
-    other, fields = groups[1 - dist.get_rank()], _comm_divergence._FIELDS
+    other, fields = groups[1 - dist.get_rank()], _comm_divergence._FIELDS + 1  # (the record, then the vote)
     everyone, mine = torch.empty(2 * fields, dtype=torch.int64), torch.zeros(fields, dtype=torch.int64)
     _comm_divergence.record_exchange(other)(everyone, mine).wait()
     for g in groups:

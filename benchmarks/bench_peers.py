@@ -456,10 +456,20 @@ def spawn(config: str, args: argparse.Namespace) -> list[dict]:
     os.environ["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed looks for a GPU and its CUDA ops
-    try:
-        return spawn_ranks(_worker, args.world, config, args)  # rank order; a failed rank raises RankFailed
-    except RankFailed as e:
-        raise SystemExit(f"{config}: {e}") from None
+    for attempt in range(RETRIES + 1):
+        try:
+            return spawn_ranks(_worker, args.world, config, args)  # rank order; a failed rank raises RankFailed
+        except RankFailed as e:
+            if attempt == RETRIES:
+                raise SystemExit(f"{config}: {e}") from None
+            # DeepSpeed 0.19.8's CPU comm threads now and then abort a rank ("terminate called without an active
+            # exception"): the round is run again, said here, and counted in the results.
+            print(f"RETRY {config}: {e}", flush=True)
+            RETRIED[config] = RETRIED.get(config, 0) + 1
+
+
+RETRIES = 1
+RETRIED: dict[str, int] = {}  # configuration -> rounds run again after a rank failed
 
 
 def round_order(configs: list[str], round_index: int) -> list[str]:
@@ -502,6 +512,7 @@ def main(argv=None) -> dict:
         print(text[:6000])
         print(f"wrote {path}")
         return {}
+    args.rounds_run_again = RETRIED
     return peers_report.write(runs, args, command, skipped, load_before, time.perf_counter() - started)
 
 

@@ -149,6 +149,8 @@ def markdown(result: dict, rounds: bool = False) -> str:
     parts += [f"- {line}" for line in result["acceptance"]]
     for c, why in result.get("skipped", {}).items():
         parts.append(f"- SKIPPED {c}: {why}")
+    for c, n in result.get("rounds_run_again", {}).items():
+        parts.append(f"- {c}: {n} round(s) run again after a rank died (printed as RETRY in the run's output)")
     parts.append(f"- losses agree across configs to {result['losses']['max_abs_diff']:.1e} (rank 0, round 1, every "
                  "step; local and zero3-floor, which train each rank alone, their first step)")
     load = result["machine"]
@@ -202,6 +204,7 @@ def write(runs: dict[str, list[list[dict]]], args: argparse.Namespace, command: 
         "title": title,
         "config": cfg,
         "skipped": skipped,
+        "rounds_run_again": getattr(args, "rounds_run_again", {}),  # configuration -> rounds retried after a rank died
         "model_params": params,
         "env": {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
                 "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE"),

@@ -173,16 +173,28 @@ def _create(size: int) -> tuple[Optional[mmap.mmap], str]:
     nonce = uuid.uuid4().hex
     path = os.path.join(_SHM_DIR, f"shardtensor-records-{nonce}")
     try:
+        if size > _free_bytes():
+            return None, ""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Every page now: a sparse file whose page is first written when /dev/shm is full (Docker's default
+            # is 64 MB) kills the writer with SIGBUS; a failure here only means gloo.
+            os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
+        except OSError:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
     except OSError:
         return None, ""
     mapping[: len(_MAGIC) + 32] = _MAGIC + nonce.encode()
     return mapping, path
+
+
+def _free_bytes() -> int:
+    st = os.statvfs(_SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 def _map(path: str, size: int) -> Optional[mmap.mmap]:

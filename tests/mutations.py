@@ -41,6 +41,10 @@ MUTATIONS = {
         "shardtensor/_comm_shm.py", "_took",
         "        _WORD.pack_into(self.mapping, self._read_at(self.rank, peer, work.slot), work.number)\n", "",
         ("tests/test_comm_shm.py::test_a_slot_is_never_written_before_its_readers_are_done",)),
+    "shared_file_left_sparse": Mutation(
+        "shardtensor/_comm_mailbox.py", "_create",
+        "            os.posix_fallocate(fd, 0, size)", "            os.ftruncate(fd, size)",
+        ("tests/test_comm_mailbox.py::test_a_shared_file_has_every_page_before_use_or_is_not_made",)),
     "mailbox_takes_a_torn_slot": Mutation(
         "shardtensor/_comm_mailbox.py", "read",
         "        return payload if _crc(found, payload) == crc else None", "        return payload",

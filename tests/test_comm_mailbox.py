@@ -96,3 +96,19 @@ def test_the_mailbox_is_used_only_where_every_rank_maps_it(refuse_on):
     for out in run_on_ranks(2, transport_of_a_new_group, refuse_on):
         assert out["sum"] == [1.0, 1.0] and out["left_in_shm"] == [], out
         assert (out["mailbox"], out["control"]) == ((True, False) if refuse_on == -1 else (False, True)), out
+
+
+def test_a_shared_file_has_every_page_before_use_or_is_not_made(monkeypatch):
+    """A page of a sparse file first written when /dev/shm is full (Docker's default is 64 MB) kills its writer
+    with SIGBUS: every page is allocated when the file is made, and where that fails there is no file (gloo)."""
+    mapping, path = mb._create(1 << 20)
+    try:
+        assert os.stat(path).st_blocks * 512 >= 1 << 20
+    finally:
+        mapping.close()
+        os.unlink(path)
+    before = set(os.listdir(mb._SHM_DIR))
+    assert mb._create(mb._free_bytes() + (1 << 30)) == (None, "")  # more than /dev/shm holds: not tried
+    monkeypatch.setattr(os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    assert mb._create(1 << 20) == (None, "")
+    assert set(os.listdir(mb._SHM_DIR)) == before

@@ -63,11 +63,13 @@ from shardtensor.launch import RankFailed, spawn_ranks  # noqa: E402
 
 CONFIGS = ["fsdp2", "deepspeed", "deepspeed-seq", "ddp", "local", "st-sequential", "st-overlapped", "st-auto",
            "st-overlapped-persist", "st-overlapped-unchecked", "st-sequential-unchecked", "st-overlapped-cpuadam",
-           "st-overlapped-blocks", "zero3-floor"]
+           "st-overlapped-blocks", "zero3-floor", "st-overlapped-gloo"]
 DEFAULT_CONFIGS = CONFIGS[:8]
 # "-unchecked": the cross-rank identity check off (set_divergence_check(False)), to price it in the same run.
 # "-blocks": gather units for the blocks only (the root's own parameters gathered one by one, the default before
 # the root became a unit), to price the root unit in the same run.
+# "-gloo": the units' collectives over gloo's sockets, not shared memory (SHARDTENSOR_SHM_COLLECTIVES=0), to price
+# the shared-memory channel in the same run.
 # "-cpuadam": shardtensor.optim.CPUAdam with its defaults (speculative steps during backward) instead of AdamW.
 # "zero3-floor": the work no ZeRO-3 step can skip, with no library around it (see _zero3_floor_step).
 # Optional peers: the module each needs, and how to get it (the ranks would fail on import otherwise).
@@ -169,7 +171,9 @@ def _wrap(model: torch.nn.Module, config: str, args: argparse.Namespace, device:
     mode = config.removeprefix("st-")
     if config.endswith("-blocks"):
         kwargs["units"] = [type(model.blocks[0])]
-    for suffix in ("-persist", "-unchecked", "-cpuadam", "-blocks"):
+    if config.endswith("-gloo"):  # read when shard_module opens the channel; each config has its own processes
+        os.environ["SHARDTENSOR_SHM_COLLECTIVES"] = "0"
+    for suffix in ("-persist", "-unchecked", "-cpuadam", "-blocks", "-gloo"):
         mode = mode.removesuffix(suffix)
     return shardtensor.shard_module(model, gather=mode, **kwargs)
 

@@ -35,7 +35,7 @@ import struct
 import time
 import uuid
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -112,22 +112,30 @@ class MailboxWork:
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if self.done:
             return True
-        seconds = float("inf") if timeout is None else timeout.total_seconds()
-        deadline, polls = time.monotonic() + seconds, 0
-        while not self._poll():
-            if time.monotonic() >= deadline:
-                missing = [r for r in range(self.box.world) if r not in self.rows]
-                raise TimeoutError(f"identity records through shared memory: timed out after {seconds:g} s waiting "
-                                   f"for exchange #{self.number} of group rank(s) {missing}")
-            polls += 1
-            if polls <= _YIELDS:
-                os.sched_yield()
-            else:
-                time.sleep(min(_LONGEST_SLEEP_S, 1e-5 * (polls - _YIELDS)))
+        poll_until(self._poll, timeout, lambda: "identity records through shared memory", lambda: (
+            f"exchange #{self.number} of group rank(s) {[r for r in range(self.box.world) if r not in self.rows]}"))
         joined = b"".join(self.rows[r] for r in range(self.box.world))
         self.out.view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(joined), dtype=torch.uint8))
         self.done = True
         return True
+
+
+def poll_until(done: Callable[[], bool], timeout: Optional[datetime.timedelta], who: Callable[[], str],
+               what: Callable[[], str]) -> bool:
+    """Poll ``done`` until true: a peer's write through shared memory wakes no thread, so the waiter looks.  It
+    yields the core first (the peer may need it to write), then sleeps in growing steps; past ``timeout`` a
+    ``TimeoutError`` names ``what`` it waited for."""
+    seconds = float("inf") if timeout is None else timeout.total_seconds()
+    deadline, polls = time.monotonic() + seconds, 0
+    while not done():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{who()}: timed out after {seconds:g} s waiting for {what()}")
+        polls += 1
+        if polls <= _YIELDS:
+            os.sched_yield()
+        else:
+            time.sleep(min(_LONGEST_SLEEP_S, 1e-5 * (polls - _YIELDS)))
+    return True
 
 
 def open_mailbox(store, rank: int, world: int, timeout_s: float) -> Optional[Mailbox]:

@@ -37,27 +37,18 @@ import mmap
 import os
 import platform
 import struct
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ._comm_mailbox import map_shared
+from ._comm_divergence import _store
+from ._comm_mailbox import map_shared, poll_until
 
 SLOTS = 3
 _opened: dict = {}  # group name -> channels this process opened on it (their store keys)
 _PAGE = mmap.PAGESIZE
 _WORD = struct.Struct("<q")
-_YIELDS = 64  # polls that only yield the core before the first sleep
-_LONGEST_SLEEP_S = 2e-4
-
-
-def _default_store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no default store (a custom launcher): no channel
-        return None
 
 
 def supported() -> bool:
@@ -93,7 +84,7 @@ class Channel:
         """Every member of ``group`` (gloo, CPU) calls this together; every member gets a channel, or every member
         None.  ``largest_share``: the most bytes one collective writes into a slot."""
         pg = group if group is not None else dist.group.WORLD
-        store = _default_store()
+        store = _store()
         if store is None or dist.get_backend(pg) != "gloo" or dist.get_world_size(pg) == 1:
             return None
         name = getattr(pg, "group_name", "?")
@@ -194,20 +185,6 @@ class Channel:
         self.mapping.madvise(mmap.MADV_DONTNEED, start, _round_up(max(used, 1), _PAGE))  # (see the note)
 
 
-def _poll_until(done: Callable[[], bool], timeout: Optional[datetime.timedelta], what: Callable[[], str]) -> bool:
-    seconds = float("inf") if timeout is None else timeout.total_seconds()
-    deadline, polls = time.monotonic() + seconds, 0
-    while not done():
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"shared-memory channel: timed out after {seconds:g} s waiting for {what()}")
-        polls += 1
-        if polls <= _YIELDS:
-            os.sched_yield()
-        else:
-            time.sleep(min(_LONGEST_SLEEP_S, 1e-5 * (polls - _YIELDS)))
-    return True
-
-
 class ChannelWork:
     """One collective's reading half, shaped like a ``Work`` for ``_comm._TimedWork``."""
 
@@ -239,5 +216,5 @@ class ChannelWork:
         return self.poll()
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        return _poll_until(self.poll, timeout,
-                           lambda: f"collective #{self.number} of group rank(s) {self.peers}")
+        return poll_until(self.poll, timeout, lambda: "shared-memory channel",
+                          lambda: f"collective #{self.number} of group rank(s) {self.peers}")

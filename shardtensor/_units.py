@@ -88,6 +88,8 @@ class UnitSet:
         """Open the shared-memory channel for the units' collectives where every rank shares this host (see
         ``_comm_shm``): slots as large as the largest unit's share that one collective writes."""
         layouts = [p._layout for unit in self.units for p in unit.params]
+        if not layouts:
+            return
         group = layouts[0].group
         if any(type(lay) is not ShardLayout or lay.group is not group for lay in layouts) or \
                 not all(_comm.on_gloo_cpu(p._local.device, group) for unit in self.units for p in unit.params):

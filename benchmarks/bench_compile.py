@@ -3,11 +3,13 @@
 Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
   - ``st-eager``:       ``shard_module(model)`` (overlapped gathers), eager;
   - ``st-eager-seq``:   ``shard_module(model, gather="sequential")``, eager;
-  - ``st-compiled``:    ``torch.compile(shard_module(model), fullgraph=True)``: one graph, a gather node per
-    parameter read (on gloo the eager broadcasts as a custom op; ``gather=`` does not change the compiled graph:
-    see shardtensor/_traced.py);
-  - ``st-compiled-bucketed``: the same with inductor's all-gather bucketing and compute/comm reordering on
-    (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``);
+  - ``st-compiled``:    ``torch.compile(shard_module(model), fullgraph=True)``: one graph, a gather node per gather
+    unit (each block, the root) in the forward and again in the backward, on gloo the eager unit collective as a
+    custom op (shared memory where the ranks share a host: see shardtensor/_traced.py);
+  - ``st-compiled-seq``: the same with ``gather="sequential"``: a gather node per parameter read (the lowest peak);
+  - ``st-compiled-bucketed`` (not in the default set): ``st-compiled`` with inductor's all-gather bucketing and
+    compute/comm reordering on (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``: they act
+    on functional collectives, which gloo graphs do not have);
   - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe);
   - ``local-eager`` / ``local-compiled``: the unsharded model on every rank, no collective at all: the floor, and
     what compiling gains on the compute alone (on a CPU whose step is mostly matmuls: little);
@@ -42,14 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_peers import _memory_mark, _memory_peak, _zero3_floor_step, add_model_args  # noqa: E402
 from shardtensor.launch import spawn_ranks  # noqa: E402
 
-CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-bucketed", "fsdp2-compiled", "local-eager",
+CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-seq", "fsdp2-compiled", "local-eager",
            "local-compiled"]
-FLOORS = ["zero3-floor", "zero3-floor-compiled"]
+OPTIONAL = ["zero3-floor", "zero3-floor-compiled", "st-compiled-bucketed"]
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS + FLOORS)
+    p.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS + OPTIONAL)
     p.add_argument("--world", type=int, default=2)
     add_model_args(p)  # the GPT of bench_peers.py
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation happens here)")
@@ -66,7 +68,7 @@ def _build(config: str, model: torch.nn.Module, world: int):
     if config.startswith("local-") or config.startswith("zero3-floor"):
         return model, torch.compile(model) if config.endswith("-compiled") else model
     if config.startswith("st-"):
-        shardtensor.shard_module(model, gather="sequential" if config == "st-eager-seq" else "overlapped")
+        shardtensor.shard_module(model, gather="sequential" if config.endswith("-seq") else "overlapped")
         if config == "st-compiled-bucketed":
             import torch._inductor.config as inductor_config
 
@@ -152,10 +154,7 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
 
 def main(argv=None) -> dict:
     args = _parse(argv)
-    rows = {}
-    if os.path.exists(args.out):  # a run of some configurations adds its rows to the file's others
-        with open(args.out) as f:
-            rows = json.load(f).get("rows", {})
+    rows = {}  # this run's rows only: ratios between runs on this shared machine mean nothing
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by each rank's allocator at start
     rounds: dict = {config: [] for config in args.configs}
     loads = []

@@ -28,12 +28,36 @@ gradients still meet in its hook after the compiled backward and are reduced tog
 Mixed precision: the traced gather casts the shard to ``param_dtype`` before the collective, as the Gatherer
 does, and the step hook casts the root's floating inputs (both traced).
 
-``gather="sequential"`` and ``"overlapped"`` are eager schedules: under compile both mean "whatever order the
-compiler gives the graph's collectives" (one all-gather per parameter read, placed by the scheduler).
+``gather=`` under compile: ``"sequential"`` gathers each parameter where the graph reads it (one gather per read,
+the lowest peak); ``"overlapped"`` (and ``"auto"``) gathers a gather unit's parameters together, once in the
+forward and once in the backward (see [Note: unit gathers under compile]).
+
+[Note: unit gathers under compile]
+A graph node can only read what the graph has: the parameter an op names.  To gather a whole unit at its first
+read, the traced path needs the graph's handle on every other parameter of the unit too.  AOTAutograd builds
+those handles all at once, before it traces: it rebuilds each ShardedParam input from its traced shard with
+``__tensor_unflatten__``, which records the shard under its layout (``note_traced_shard``).  The first read of
+a unit's parameter in a phase (forward, or backward: an autograd node is running) emits one node that gathers
+the unit, through the eager unit collectives (the shared-memory channel in overlapped mode, see
+``_comm_shm``); later reads in the same phase reuse its outputs, and the phase in the node's arguments keeps the
+compiler from merging the backward's gather into the forward's (which would keep full weights alive between
+them).  Where the recorded shards are not this trace's (Dynamo's own shape propagation, before AOTAutograd), or
+outside gloo CPU groups, the per-read gather stays.  In-place writes into parameters are refused inside
+compiled code (``_dispatch/traced.py``), so a unit's gathered values cannot go stale within one graph.
+
+[Note: a gather where it is read]
+A gather node reads only graph inputs (the shards), so nothing stops the compiler from running it first: inductor
+did, and every full weight lived from the graph's start (the per-read graph's step peak was 25% above eager
+sequential mode's).  Each gather node therefore also takes the op's activation (its first tensor argument that is
+not a parameter: the input of a linear, the gradient of a backward matmul) as an argument it does not read: the
+node cannot run before the activation exists, so the weight is gathered where it is read and freed after its last
+use, as in eager.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import weakref
 from typing import Any, Optional
 
@@ -80,19 +104,104 @@ def param_dtype_of(layout: Any) -> Optional[torch.dtype]:
     return _PARAM_DTYPES.get(id(layout))
 
 
-def traced_gather(param) -> torch.Tensor:
-    """The full tensor of ``param`` (views applied) as traced ops: a functional all-gather of the padded shard,
-    then the padding rows cut off.  Its result is an ordinary tensor of the graph."""
+# Units under compile: shard_module records each unit of a non-sequential mode under a key that is the same in
+# every process of a job (it is baked into the graph and AOTAutograd's cache key), and each parameter's place.
+_UNIT_OF: dict[int, tuple[str, int]] = {}  # id(layout) -> (unit key, position)
+_TRACED_SHARDS: dict[int, weakref.ref] = {}  # id(layout) -> the traced shard __tensor_unflatten__ last built it over
+_GATHERED: dict[str, tuple] = {}  # unit key -> (phase, weakrefs to the shards, the traced gathered tensors)
+_unit_sets = itertools.count()
+
+
+def record_units(units: list) -> None:
+    """Make ``units`` (``_Unit``s of one UnitSet) gatherable as one node each under compile."""
+    number = next(_unit_sets)
+    for unit in units:
+        key = f"{number}/{unit.name}"
+        _comm_traced.UNITS[key] = unit
+        for position, param in enumerate(unit.params):
+            layout = param._layout
+            _UNIT_OF[id(layout)] = (key, position)
+            weakref.finalize(layout, _forget, id(layout))
+
+
+def _forget(layout_id: int) -> None:
+    _UNIT_OF.pop(layout_id, None)
+    _TRACED_SHARDS.pop(layout_id, None)
+
+
+def note_traced_shard(layout: Any, local: torch.Tensor) -> None:
+    """``__tensor_unflatten__`` rebuilt a ShardedParam of ``layout`` over ``local``: remember a traced one."""
+    if isinstance(local, FunctionalTensor) and id(layout) in _UNIT_OF:
+        _TRACED_SHARDS[id(layout)] = weakref.ref(local)
+
+
+def _cast(local: torch.Tensor, layout: Any) -> torch.Tensor:
+    dtype = param_dtype_of(layout)
+    return local.to(dtype) if dtype is not None and local.is_floating_point() and local.dtype != dtype else local
+
+
+def _unit_gather(param, after: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``param``'s full base tensor from its unit's gather in this phase (see [Note: unit gathers under
+    compile]); None where the per-read gather applies."""
+    layout, local = param._layout, param._local
+    place = _UNIT_OF.get(id(layout))
+    unit = _comm_traced.UNITS.get(place[0]) if place is not None else None
+    if unit is None or not isinstance(local, FunctionalTensor) or not _comm_traced.gathers_in_place(layout.group):
+        return None
+    key, position = place
+    refs = [_TRACED_SHARDS.get(id(p._layout)) for p in unit.params]
+    shards = [None if ref is None else ref() for ref in refs]
+    if shards[position] is not local or any(s is None for s in shards):
+        return None
+    phase = int(torch._C._current_autograd_node() is not None)
+    done = _GATHERED.get(key)
+    if done is not None and done[0] == phase and all(r() is s for r, s in zip(done[1], shards)):
+        return done[2][position]
+    fulls = _comm_traced.traced_unit_gather([_cast(s, p._layout) for s, p in zip(shards, unit.params)], key, phase,
+                                            after)
+    _GATHERED[key] = (phase, refs, fulls)  # held: an op reads one of them, the unit's later reads the others
+    return fulls[position]
+
+
+def traced_gather(param, after: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The full tensor of ``param`` (views applied) as traced ops: its unit's gather (see [Note: unit gathers
+    under compile]), or a gather of the padded shard alone, then the padding rows cut off, once ``after`` (the
+    op's activation) is computed (see [Note: a gather where it is read]).  Its result is an ordinary tensor of
+    the graph."""
     layout = param._layout
     if type(layout) is not ShardLayout:
         raise NotImplementedError(
             f"torch.compile of ShardedParam {param._name!r} with a {type(layout).__name__}: only the dim-0 "
             "placement has a traced gather. Fix: shard with placement='dim0' to compile, or run eagerly."
         )
-    local, dtype = param._local, param_dtype_of(layout)
-    if dtype is not None and local.is_floating_point() and local.dtype != dtype:  # cast before the gather
-        local = local.to(dtype)
-    if layout.world > 1:  # see [Note: a traced gather by broadcasts] in _comm_traced.py
-        local = _comm_traced.traced_all_gather_rows(local, layout.group, f"all-gather of {param._name!r} (compiled)")
-    full = local
-    return apply_views(full[: layout.shape[0]], param._views)
+    full = _unit_gather(param, after) if layout.world > 1 else None
+    if full is None:
+        local = _cast(param._local, layout)
+        if layout.world > 1:  # see [Note: a traced gather by broadcasts] in _comm_traced.py
+            local = _comm_traced.traced_all_gather_rows(local, layout.group,
+                                                        f"all-gather of {param._name!r} (compiled)", after)
+        full = local[: layout.shape[0]]
+    return apply_views(full, param._views)
+
+
+_GRAPH_FORM = 2  # what the traced path emits (a cached graph of another form is not reused): unit gathers, `after`
+
+
+def cache_fields(param) -> tuple:
+    """What ``cache_key`` hashes: everything the traced path reads (global and local geometry, the group, the
+    views, the gather's cast, the unit), and nothing that varies between processes of one job (object ids)."""
+    layout, local = param._layout, param._local
+    return (
+        type(layout).__name__, tuple(param.shape), str(param.dtype), param.requires_grad,
+        tuple(local.shape), tuple(local.stride()), str(local.dtype), str(local.device),
+        tuple(getattr(layout, "shape", ())), getattr(layout, "rows_per_rank", None),
+        getattr(layout, "rank", None), getattr(layout, "world", None),
+        str(getattr(getattr(layout, "group", None), "group_name", "default")),
+        repr(param._views), str(param_dtype_of(layout)), _UNIT_OF.get(id(layout)), _GRAPH_FORM,
+    )
+
+
+def cache_key(param) -> str:
+    """The key AOTAutograd's cache files a compiled graph under (``cache_fields``).  Without it torch warns, and
+    its default key pickles the process group."""
+    return hashlib.blake2b(repr(cache_fields(param)).encode(), digest_size=16).hexdigest()

@@ -98,6 +98,14 @@ class _Unit:
         return shards, issue_unit_gathers(self.params, shards, self._label, async_op, self.pool,
                                           self._channel()), versions
 
+    def gather_for_graph(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A compiled graph's gather of the whole unit from ``shards`` (see [Note: unit gathers under compile] in
+        ``_traced.py``): fresh tensors the graph owns (no pool: the graph frees them), full base shapes."""
+        self.gatherer.gathers += len(self.params)
+        label = lambda positions: self._label(positions) + " (compiled)"  # noqa: E731
+        return complete_unit_gathers(self.params, issue_unit_gathers(self.params, shards, label, False, None,
+                                                                     self._channel()))
+
     def _channel(self):
         """Overlapped mode's shared-memory channel, if the UnitSet opened one (see ``_comm_shm``); None in
         sequential mode (the lowest peak: its slots would add to it) and under memory pressure."""

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _comm, _comm_shm, _grad_landing, _misuse
+from . import _comm, _comm_shm, _grad_landing, _misuse, _traced
 from ._layout import ShardLayout
 from .gather import GatherMode
 from ._unit import _Unit
@@ -303,4 +303,5 @@ def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_s
     grad_sync.units = units
     if gatherer.mode is not GatherMode.SEQUENTIAL:
         units.open_channel()
+        _traced.record_units(units.units)  # one gather per unit under compile too (the lowest peak: per read)
     return units

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from . import _compile, _dtensor_bridge, _exports
+from . import _compile, _dtensor_bridge, _exports, _traced
 from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
 from ._full import full_tensor_of
 from ._grad_landing import GuardedPostAccumulateHook, GuardedTensorHook
@@ -334,26 +334,12 @@ class ShardedParam(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
         layout, views, name = ctx
+        _traced.note_traced_shard(layout, inner_tensors["_local"])  # (see [Note: unit gathers under compile])
         return ShardedParam(inner_tensors["_local"], layout, views=views, name=name)
 
     def _stable_hash_for_caching(self) -> str:
-        """The key AOTAutograd's cache files a compiled graph under: everything the traced path reads (global and
-        local geometry, the group, the views, the gather's cast), and nothing that varies between processes of
-        one job (object ids).  Without it torch warns, and its default key pickles the process group."""
-        import hashlib
-
-        from ._traced import param_dtype_of
-
-        layout, local = self._layout, self._local
-        key = (
-            type(layout).__name__, tuple(self.shape), str(self.dtype), self.requires_grad,
-            tuple(local.shape), tuple(local.stride()), str(local.dtype), str(local.device),
-            tuple(getattr(layout, "shape", ())), getattr(layout, "rows_per_rank", None),
-            getattr(layout, "rank", None), getattr(layout, "world", None),
-            str(getattr(getattr(layout, "group", None), "group_name", "default")),
-            repr(self._views), str(param_dtype_of(layout)),
-        )
-        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+        """The key AOTAutograd's cache files a compiled graph under (see ``_traced.cache_key``)."""
+        return _traced.cache_key(self)
 
 
 def _declare_foreach_support() -> None:

@@ -28,6 +28,14 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = {
+    "compiled_unit_gather_reused_in_backward": Mutation(
+        "shardtensor/_traced.py", "_unit_gather",
+        "    phase = int(torch._C._current_autograd_node() is not None)", "    phase = 0",
+        ("tests/test_compile.py::test_compiled_step_gathers_each_unit_once_per_phase_and_reduces_it_in_one_collective",)),
+    "compiled_overlapped_gathers_per_read": Mutation(
+        "shardtensor/_units.py", "attach_units",
+        "        _traced.record_units(units.units)", "        pass",
+        ("tests/test_compile.py::test_compiled_step_gathers_each_unit_once_per_phase_and_reduces_it_in_one_collective",)),
     "channel_sums_in_another_order": Mutation(
         "shardtensor/_comm_shm.py", "__init__",
         "        self.peers = [(channel.rank - k) % channel.world", "        self.peers = [(channel.rank + k) % channel.world",

@@ -112,9 +112,9 @@ def _check(results) -> None:
         _assert_same(result, reference, 1e-4)
 
 
-# "overlapped" (the default) has gather units per block: their gather hooks stand aside while compiling and each
-# unit's gradients are reduced together once the compiled backward has produced them all; "sequential" has no
-# units (per-parameter reductions).  Both compile to the same graph.
+# "overlapped" (the default) has gather units per block: under compile each unit is gathered by one node per
+# phase, and its gradients are reduced together once the compiled backward has produced them all; "sequential"
+# has no units: one gather per parameter read, per-parameter reductions.
 def test_compiled_tied_gpt_fullgraph_equals_eager_and_unsharded():
     _check(run_on_ranks(2, compile_case, 2, "tied", "overlapped", "aot_eager"))
 
@@ -128,47 +128,66 @@ def test_compiled_untied_gpt_inductor_sequential():
     _check(run_on_ranks(2, compile_case, 2, "untied", "sequential", "inductor"))
 
 
-def compiled_collectives_per_step(world: int, layers: int) -> int:
-    """Eager collectives (each behind one identity check) of a warm compiled step: the gradient reductions after
-    the compiled backward, and the clipping norm's all-reduce; the graph's own all-gathers (identity-checked
-    too, on gloo) are taken out of the count."""
+def compiled_collectives_per_step(world: int, layers: int, gather: str = "overlapped") -> tuple[int, int, int]:
+    """(eager collectives, unit gathers, per-read gathers) of a warm compiled step, each collective behind one
+    identity check.  Eager: the gradient reductions after the compiled backward and the clipping norm's
+    all-reduce.  The graph's gathers (see [Note: unit gathers under compile]) are counted apart."""
     import torch._dynamo
+
+    from shardtensor import _comm
+    from shardtensor._unit import _Unit
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = shardtensor.shard_module(GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=layers, n_head=2,
-                                                   n_embd=16)), gather="overlapped")
+                                                   n_embd=16)), gather=gather)
     run = torch.compile(model, backend="aot_eager", fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    counts, gathers = [], [0]
-    from shardtensor import _comm
+    counts, gathers = [], {"unit": 0, "read": 0}
+    real_read, real_unit = _comm.all_gather_rows, _Unit.gather_for_graph
 
-    real = _comm.all_gather_rows
+    def per_read(*args, **kwargs):
+        gathers["read"] += 1
+        return real_read(*args, **kwargs)
 
-    def counted(*args, **kwargs):  # the graph's gathers (see [Note: a traced gather by broadcasts]): not counted
-        gathers[0] += 1
-        return real(*args, **kwargs)
+    def per_unit(*args, **kwargs):
+        gathers["unit"] += 1
+        return real_unit(*args, **kwargs)
 
-    _comm.all_gather_rows = counted
+    _comm.all_gather_rows, _Unit.gather_for_graph = per_read, per_unit
     try:
         for idx in _batches(world)[0]:
-            before, gathers[0] = shardtensor.identity_check_stats()["checks"], 0
+            before = shardtensor.identity_check_stats()["checks"]
+            gathers.update(unit=0, read=0)
             _loss(run, idx).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
-            counts.append(shardtensor.identity_check_stats()["checks"] - before - gathers[0])
+            checks = shardtensor.identity_check_stats()["checks"] - before
+            counts.append((checks - gathers["unit"] - gathers["read"], gathers["unit"], gathers["read"]))
     finally:
-        _comm.all_gather_rows = real
+        _comm.all_gather_rows, _Unit.gather_for_graph = real_read, real_unit
     return counts[-1]
 
 
-def test_compiled_backward_reduces_a_block_in_one_collective():
-    """Each block's 12 gradients leave the compiled backward together and are reduced in one collective (its
-    unit's), not one each: two more blocks cost at most two more collectives per step."""
-    one, three = (run_on_ranks(2, compiled_collectives_per_step, 2, layers)[0] for layers in (1, 3))
+def test_compiled_step_gathers_each_unit_once_per_phase_and_reduces_it_in_one_collective():
+    """Overlapped: a block's parameters are gathered by one node in the forward graph and one in the backward
+    (none per read), and its 12 gradients leave the compiled backward together and are reduced in one collective
+    (its unit's): two more blocks cost two more reductions and four more gathers per step."""
+    (one, one_units, one_reads), (three, three_units, three_reads) = (
+        run_on_ranks(2, compiled_collectives_per_step, 2, layers)[0] for layers in (1, 3))
     assert 0 < three - one <= 2, (one, three)
+    assert (one_reads, three_reads) == (0, 0)
+    assert three_units - one_units == 4 and one_units == 4, (one_units, three_units)  # (the root unit: 2 more)
 
+
+def test_compiled_sequential_mode_gathers_per_read():
+    """Sequential (the lowest peak): no units, each parameter gathered where the graph reads it, forward and
+    backward."""
+    (_, one_units, one_reads), (_, three_units, three_reads) = (
+        run_on_ranks(2, compiled_collectives_per_step, 2, layers, "sequential")[0] for layers in (1, 3))
+    assert one_units == three_units == 0
+    assert three_reads > one_reads > 12, (one_reads, three_reads)
 
 
 def mixed_precision_case(world: int) -> tuple:
@@ -192,13 +211,24 @@ def test_compiled_mixed_precision_equals_eager_mixed_precision():
 
 
 def cache_key_case(world: int) -> list[bool]:
-    """AOTAutograd's cache key: equal for equal parameters of two models, different where the graph would be."""
+    """AOTAutograd's cache key: the same in every process that sharded the same models in the same order (no
+    object ids), different where the graph would be."""
+    from shardtensor import _traced
+
     one = shardtensor.shard_module(_gpt(False))
     two = shardtensor.shard_module(_gpt(False))
     bf16 = shardtensor.shard_module(_gpt(False), param_dtype=torch.bfloat16)
     w1, w2, w3 = one.wte.weight, two.wte.weight, bf16.wte.weight
     key = w1._stable_hash_for_caching()
-    return [key == w2._stable_hash_for_caching(),             # no object ids in the key: stable across processes
+    fields = list(_traced.cache_fields(one.blocks[0].attn.qkv.weight))
+    rank_field = 10
+    assert fields[rank_field] == dist.get_rank()
+    fields[rank_field] = "rank"  # (the one field ranks differ in)
+    everywhere = [None] * world
+    dist.all_gather_object(everywhere, fields)
+    return [all(f == everywhere[0] for f in everywhere),       # equal in every process (no object ids)
+            key == w1._stable_hash_for_caching(),
+            key != w2._stable_hash_for_caching(),              # another model's unit: another graph
             key != w1.t()._stable_hash_for_caching(),          # a view traces other ops
             key != w3._stable_hash_for_caching(),              # the gather casts to bf16
             key != one.blocks[0].attn.qkv.weight._stable_hash_for_caching()]

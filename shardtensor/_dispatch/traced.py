@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+import torch
 
 from .._traced import is_traced, traced_gather  # noqa: F401  (is_traced: the dispatcher's check)
 from ..tensor import ShardedParam
@@ -21,5 +23,16 @@ def run_traced(func, args: tuple, kwargs: dict, rule: Callable) -> Any:
             "inside a compiled function; in-place updates of sharded parameters run eagerly only. Fix: keep the "
             "optimizer step (and any in-place parameter update) outside the compiled function."
         )
-    swap = lambda x: traced_gather(x) if isinstance(x, ShardedParam) else x  # noqa: E731
+    after = _first_activation(args, kwargs)
+    swap = lambda x: traced_gather(x, after) if isinstance(x, ShardedParam) else x  # noqa: E731
     return func(*_map_args(swap, args), **_map_kwargs(swap, kwargs))
+
+
+def _first_activation(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The op's first tensor argument that is not a parameter: the gather waits for it (see [Note: a gather
+    where it is read] in ``_traced.py``)."""
+    for x in (*args, *kwargs.values()):
+        for t in (x if isinstance(x, (list, tuple)) else (x,)):
+            if isinstance(t, torch.Tensor) and not isinstance(t, ShardedParam):
+                return t
+    return None

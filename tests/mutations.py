@@ -32,6 +32,10 @@ MUTATIONS = {
         "shardtensor/_traced.py", "_unit_gather",
         "    phase = int(torch._C._current_autograd_node() is not None)", "    phase = 0",
         ("tests/test_compile.py::test_compiled_step_gathers_each_unit_once_per_phase_and_reduces_it_in_one_collective",)),
+    "compiled_gather_not_tied_to_its_activation": Mutation(
+        "shardtensor/_dispatch/traced.py", "run_traced",
+        "    after = _first_activation(args, kwargs)", "    after = None",
+        ("tests/test_compile.py::test_compiled_sequential_mode_gathers_per_read_and_again_in_the_backward",)),
     "compiled_overlapped_gathers_per_read": Mutation(
         "shardtensor/_units.py", "attach_units",
         "        _traced.record_units(units.units)", "        pass",

@@ -1,7 +1,7 @@
 """torch.compile around sharded modules: the eager op table stays out of Dynamo's frames.
 
 While torch.compile traces, ops on ShardedParams take the traced path (see [Note: the traced path] in
-``_traced.py``): functional all-gathers in the graph, no graph break.  The eager ``__torch_dispatch__`` frames
+``_traced.py``): gather nodes in the graph, no graph break.  The eager ``__torch_dispatch__`` frames
 (and everything they call) are marked "skip" in Dynamo's frame evaluator, so an eager op that runs inside a
 compiled region (fake propagation calls it) is never re-traced as Python.  This uses the C-level switch, so
 importing shardtensor does not import ``torch._dynamo`` (seconds).

@@ -7,14 +7,15 @@ graphs through ``__torch_dispatch__``.  Our eager rules cannot run there (the Ga
 identity-keyed buffers, blocking gloo collectives), so the dispatcher sends every op whose shard is fake here:
 
   - views (``t``, ``view``, ``detach``...) stay views: a ShardedParam over the same shard, no gather;
-  - every other op gathers each ShardedParam it meets with one node of the graph (on gloo CPU a custom op over
-    the eager broadcasts: see [Note: a traced gather by broadcasts] in _comm_traced.py; elsewhere a functional
-    all-gather, ``torch.distributed._functional_collectives``), cuts the padding rows, replays the views and runs the op
-    on plain tensors.  The collective is a node of the graph, so the compiler schedules it (and, with
-    ``torch._inductor.config.reorder_for_compute_comm_overlap``, overlaps it with compute).  Autograd saves the
-    *view* (a ShardedParam over the shard), never the gathered tensor, so the backward graph gathers again
-    where autograd's formulas read the parameter (``grad @ W``), as eager does: a 1-block GPT's graphs hold 17
-    all-gathers forward and 11 backward, and no full weight lives from forward to backward.
+  - every other op gathers each ShardedParam it meets with a node of the graph (on gloo CPU a custom op over
+    the eager collectives: the parameter's gather unit at once in overlapped mode, see [Note: unit gathers
+    under compile]; the parameter alone in sequential mode, see [Note: a traced gather by broadcasts] in
+    _comm_traced.py; elsewhere a functional all-gather, ``torch.distributed._functional_collectives``), cuts the
+    padding rows, replays the views and runs the op on plain tensors.  The collective is a node of the graph,
+    placed where its op reads it ([Note: a gather where it is read]).  Autograd saves the *view* (a ShardedParam
+    over the shard), never the gathered tensor, so the backward graph gathers again where autograd's formulas
+    read the parameter (``grad @ W``), as eager does: in sequential mode a 1-block GPT's graphs hold 17 gathers
+    forward and 11 backward, and no full weight lives from forward to backward.
 
 The gradient of a parameter leaves the compiled backward whole (autograd's formulas see plain tensors) and is
 reduce-scattered to this rank's shard of the mean by the same gradient hook as in eager: hooks on leaves run in

@@ -61,12 +61,6 @@ def _(shards: list[torch.Tensor], unit: str, phase: int, after: Optional[torch.T
     return [s.new_empty(p._layout.shape) for s, p in zip(shards, _unit(unit).params)]
 
 
-def gathers_in_place(group) -> bool:
-    """Whether a unit's traced gather is the eager unit collective: gloo CPU groups (elsewhere the functional
-    collective per read, which the compiler can bucket)."""
-    return "gloo" in str(dist.get_backend(group))
-
-
 def traced_unit_gather(shards: list[torch.Tensor], key: str, phase: int, after: Optional[torch.Tensor]
                        ) -> list[torch.Tensor]:
     """The full base tensors of unit ``key``'s parameters from their (cast) traced shards, as one node of the
@@ -78,7 +72,7 @@ def traced_all_gather_rows(local: torch.Tensor, group, label: str, after: Option
                            ) -> torch.Tensor:
     """The ``(world * rows, ...)`` gather of ``local`` as one node of the traced graph (world > 1), on gloo run
     once ``after`` exists."""
-    if local.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+    if _comm.on_gloo_cpu(local.device, group):
         named = group if group is not None else dist.group.WORLD
         return _gather_rows(local.contiguous(), named.group_name, label, after)
     return _comm.functional_all_gather_rows(local, group)

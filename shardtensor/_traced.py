@@ -66,7 +66,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import _comm_traced
+from . import _comm, _comm_traced
 from ._layout import ShardLayout, apply_views
 
 
@@ -147,7 +147,7 @@ def _unit_gather(param, after: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     layout, local = param._layout, param._local
     place = _UNIT_OF.get(id(layout))
     unit = _comm_traced.UNITS.get(place[0]) if place is not None else None
-    if unit is None or not isinstance(local, FunctionalTensor) or not _comm_traced.gathers_in_place(layout.group):
+    if unit is None or not isinstance(local, FunctionalTensor) or not _comm.on_gloo_cpu(local.device, layout.group):
         return None
     key, position = place
     refs = [_TRACED_SHARDS.get(id(p._layout)) for p in unit.params]

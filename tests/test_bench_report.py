@@ -5,6 +5,7 @@ over ranks; medians and min/max are over rounds; ratios are of medians; a peer t
 with the command that installs it.  junit_to_json.py: gpu_suite.sh's test report counts what pytest reported.
 """
 
+import json
 import os
 import sys
 
@@ -92,3 +93,16 @@ def test_losses_compared_at_every_step_except_local_after_its_first():
     assert peers_report.loss_agreement(runs)["max_abs_diff"] == pytest.approx(1e-7)
     runs["st-overlapped"] = [[{"losses": [2.0, 1.6]}]]  # a wrapper that trains something else: seen
     assert peers_report.loss_agreement(runs)["max_abs_diff"] == pytest.approx(0.1)
+
+
+def test_bench_phases_times_each_phase_and_writes_its_table(tmp_path):
+    """bench_phases.py's wiring at world 2 (the bare model, one timed step): every phase is timed and counted."""
+    import bench_phases
+
+    out = tmp_path / "phases.json"
+    result = bench_phases.main(["--configs", "local", "--rounds", "1", "--steps", "1", "--out", str(out)])
+    row = result["medians"]["local"]
+    assert set(row) == set(bench_phases.PHASES)
+    for wall, cpu, faults in row.values():
+        assert wall > 0 and cpu > 0 and faults >= 0
+    assert json.loads(out.read_text())["medians"] == json.loads(json.dumps(result["medians"]))

@@ -254,7 +254,7 @@ class FlatGrads:
 def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]], mine: Optional[torch.Tensor],
                  reduce_dtype: Optional[torch.dtype], grads: Optional[FlatGrads] = None, async_op: bool = False,
                  channel=None):
-    """A unit's mean gradient shards and summed has-gradient flags, by one reduce-scatter of ``grads`` (built
+    """A unit's mean gradient shards, summed has-gradient flags and which shards are owned (``_mean_shards``), by one reduce-scatter of ``grads`` (built
     in place; its own flags) or of ``fulls`` (this rank's full gradients, padded, cast and concatenated here)
     with ``mine``, this rank's has-gradient flags.  ``async_op``: a function that waits and returns them."""
     layouts = [p._layout for p in params]
@@ -285,8 +285,9 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
 
 
 def _mean_shards(layouts: list, rows: list[torch.Tensor], work, sums: dict[int, torch.Tensor]
-                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Wait for a unit's reduction; each parameter's mean shard and the summed has-gradient flags."""
+                 ) -> tuple[list[torch.Tensor], torch.Tensor, list[bool]]:
+    """Wait for a unit's reduction; each parameter's mean shard, the summed has-gradient flags, and whether each
+    shard is owned (rows of the fresh mean, not of a full gradient: it can become ``.grad`` as it is)."""
     work.wait()
     world, count, shard = layouts[0].world, len(layouts), rows[0].reshape(-1)
     flags = shard[-count:].to(torch.float64)
@@ -299,7 +300,7 @@ def _mean_shards(layouts: list, rows: list[torch.Tensor], work, sums: dict[int, 
         n = lay.local_shape().numel()
         out.append(shard[offset:offset + n].view(lay.local_shape()))
         offset += n
-    return out, flags
+    return out, flags, [i not in sums for i in range(count)]
 
 
 def finish_reductions(in_flight: list, keep: int = 0) -> None:

@@ -125,7 +125,7 @@ class UnitSet:
             unit.stash_unheld(position, grad, owned)
         else:
             unit.stash(position, grad, owned)
-        return _grad_landing.zero_placeholder(param, grad)
+        return _grad_landing.zero_placeholder(param, grad, lazy=True)  # see [Note: a lazy placeholder]
 
     def _pre_forward(self, unit: _Unit):
         def hook(module, args, kwargs):

@@ -737,6 +737,14 @@ MUTATIONS = {
         "shardtensor/_units.py", "_drop_failed_backward",
         "if not self._tasks or torch._C._current_graph_task_id() != -1:", "if True:",
         ("tests/test_gather.py::test_a_failed_backward_leaves_no_half_reduced_gradients",)),
+    "lazy_placeholder_left_after_a_failed_backward": Mutation(
+        "shardtensor/_grad_landing.py", "forget_placeholders",
+        "grad.rehome_(torch.zeros_like(zeros, memory_format=torch.contiguous_format))", "pass",
+        ("tests/test_gather.py::test_a_failed_backward_leaves_no_half_reduced_gradients",)),
+    "landed_rows_of_a_full_gradient_not_copied": Mutation(
+        "shardtensor/_grad_landing.py", "land_rows",
+        "grad.rehome_(shard if owned else shard.clone())", "grad.rehome_(shard)",
+        ("tests/test_unit_direct.py::test_in_place_unit_collectives_train_like_the_flat_buffer_and_the_unsharded_model",)),
     "unheld_gradients_per_parameter": Mutation(
         "shardtensor/_unit.py", "stash_unheld",
         "if len(self.unheld) == sum(p.requires_grad for p in self.params):", "if True:",

@@ -287,20 +287,20 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
 def _mean_shards(layouts: list, rows: list[torch.Tensor], work, sums: dict[int, torch.Tensor]
                  ) -> tuple[list[torch.Tensor], torch.Tensor, list[bool]]:
     """Wait for a unit's reduction; each parameter's mean shard, the summed has-gradient flags, and whether each
-    shard is owned (rows of the fresh mean, not of a full gradient: it can become ``.grad`` as it is)."""
+    shard is owned (every one: fresh means, never rows of a full gradient, so each can become ``.grad`` as it is)."""
     work.wait()
     world, count, shard = layouts[0].world, len(layouts), rows[0].reshape(-1)
     flags = shard[-count:].to(torch.float64)
     shard = shard[:-count] / world
     out, offset = [], 0
     for i, lay in enumerate(layouts):
-        if i in sums:  # this rank's rows of the full gradient: the mean in place (autograd's buffer, or ours)
-            out.append(sums[i].div_(world).view(lay.local_shape()))
+        if i in sums:  # this rank's rows of a full gradient (autograd's buffer, or ours): the mean, in a shard
+            out.append(torch.div(sums[i], world).view(lay.local_shape()))  # of its own (one pass, not two)
             continue
         n = lay.local_shape().numel()
         out.append(shard[offset:offset + n].view(lay.local_shape()))
         offset += n
-    return out, flags, [i not in sums for i in range(count)]
+    return out, flags, [True] * count
 
 
 def finish_reductions(in_flight: list, keep: int = 0) -> None:

@@ -742,8 +742,9 @@ MUTATIONS = {
         "grad.rehome_(torch.zeros_like(zeros, memory_format=torch.contiguous_format))", "pass",
         ("tests/test_gather.py::test_a_failed_backward_leaves_no_half_reduced_gradients",)),
     "landed_rows_of_a_full_gradient_not_copied": Mutation(
-        "shardtensor/_grad_landing.py", "land_rows",
-        "grad.rehome_(shard if owned else shard.clone())", "grad.rehome_(shard)",
+        "shardtensor/_unit_buffers.py", "_mean_shards",
+        "out.append(torch.div(sums[i], world).view(lay.local_shape()))",
+        "out.append(sums[i].div_(world).view(lay.local_shape()))",
         ("tests/test_unit_direct.py::test_in_place_unit_collectives_train_like_the_flat_buffer_and_the_unsharded_model",)),
     "unheld_gradients_per_parameter": Mutation(
         "shardtensor/_unit.py", "stash_unheld",

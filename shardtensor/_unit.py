@@ -184,17 +184,17 @@ class _Unit:
         fulls = [torch.zeros(p._layout.shape, dtype=p.dtype, device=p._local.device) if g is None else g
                  for p, g in zip(self.params, fulls)]
         if type(strategy) is ExactReducer and all(type(p._layout) is ShardLayout for p in self.params):
-            shards, flags, _ = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype,
-                                            channel=self._channel())
+            shards, flags, owned = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype,
+                                                channel=self._channel())
         else:  # another reducer or placement: the flags in one all-reduce, then each parameter in order
-            flags = mine.clone()
+            flags, owned = mine.clone(), None
             _comm.all_reduce(flags, self.params[0]._layout.group)
             shards = []
             for p, g in zip(self.params, fulls):
                 with _comm.inputs_may_be_overwritten(True):
                     shards.append(strategy.reduce_grad(g, p._layout, key=p._name, dtype=p.dtype, owned=True,
                                                        overlap=False))
-        self._accumulate(shards, flags)
+        self._accumulate(shards, flags, owned)
 
     def _accumulate(self, shards: list[torch.Tensor], flags: torch.Tensor, owned: Optional[list[bool]] = None
                     ) -> None:

@@ -254,9 +254,10 @@ class FlatGrads:
 def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]], mine: Optional[torch.Tensor],
                  reduce_dtype: Optional[torch.dtype], grads: Optional[FlatGrads] = None, async_op: bool = False,
                  channel=None):
-    """A unit's mean gradient shards, summed has-gradient flags and which shards are owned (``_mean_shards``), by one reduce-scatter of ``grads`` (built
-    in place; its own flags) or of ``fulls`` (this rank's full gradients, padded, cast and concatenated here)
-    with ``mine``, this rank's has-gradient flags.  ``async_op``: a function that waits and returns them."""
+    """A unit's mean gradient shards, summed has-gradient flags and which shards are owned (``_mean_shards``), by
+    one reduce-scatter of ``grads`` (built in place; its own flags) or of ``fulls`` (this rank's full gradients,
+    padded, cast and concatenated here) with ``mine``, this rank's has-gradient flags.  ``async_op``: a function
+    that waits and returns them."""
     layouts = [p._layout for p in params]
     world, count, group = layouts[0].world, len(params), layouts[0].group
     direct: dict[int, torch.Tensor] = {}

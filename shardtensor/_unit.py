@@ -184,10 +184,11 @@ class _Unit:
         fulls = [torch.zeros(p._layout.shape, dtype=p.dtype, device=p._local.device) if g is None else g
                  for p, g in zip(self.params, fulls)]
         if type(strategy) is ExactReducer and all(type(p._layout) is ShardLayout for p in self.params):
-            shards, flags, owned = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype,
-                                                channel=self._channel())
+            shards, flags = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype,
+                                         channel=self._channel())
+            owned = True
         else:  # another reducer or placement: the flags in one all-reduce, then each parameter in order
-            flags, owned = mine.clone(), None
+            flags, owned = mine.clone(), False  # (a reducer's shard may alias its input)
             _comm.all_reduce(flags, self.params[0]._layout.group)
             shards = []
             for p, g in zip(self.params, fulls):
@@ -196,11 +197,10 @@ class _Unit:
                                                        overlap=False))
         self._accumulate(shards, flags, owned)
 
-    def _accumulate(self, shards: list[torch.Tensor], flags: torch.Tensor, owned: Optional[list[bool]] = None
-                    ) -> None:
-        """``owned[i]``: nobody else holds ``shards[i]`` (else it may be rows of a full gradient, see [Note: direct
-        gradients], and ``.grad`` gets a copy)."""
-        for i, (p, shard, flag) in enumerate(zip(self.params, shards, flags.tolist())):
+    def _accumulate(self, shards: list[torch.Tensor], flags: torch.Tensor, owned: bool = True) -> None:
+        """``owned``: nobody else holds the shards (``reduce_exact``'s means), so each can become ``.grad``;
+        else ``.grad`` gets a copy."""
+        for p, shard, flag in zip(self.params, shards, flags.tolist()):
             if flag == 0:
                 continue  # no rank produced a gradient: .grad stays as it was (None in a first backward)
             mine = shard.to(p.dtype)
@@ -208,6 +208,6 @@ class _Unit:
             if p.grad is not None:
                 _misuse.refuse_plain_grad_in_unit(p)
             # Owned: no hook replaced it (a hook's result may be held by the user) and it is a cast or ours.
-            fresh = hooked is mine and (mine is not shard or bool(owned and owned[i]))
+            fresh = hooked is mine and (mine is not shard or owned)
             _grad_landing.land_rows(p, hooked, owned=fresh)
             _grad_landing.gradient_landed(p)

@@ -254,10 +254,10 @@ class FlatGrads:
 def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]], mine: Optional[torch.Tensor],
                  reduce_dtype: Optional[torch.dtype], grads: Optional[FlatGrads] = None, async_op: bool = False,
                  channel=None):
-    """A unit's mean gradient shards, summed has-gradient flags and which shards are owned (``_mean_shards``), by
-    one reduce-scatter of ``grads`` (built in place; its own flags) or of ``fulls`` (this rank's full gradients,
-    padded, cast and concatenated here) with ``mine``, this rank's has-gradient flags.  ``async_op``: a function
-    that waits and returns them."""
+    """A unit's mean gradient shards (each a tensor of its own, see ``_mean_shards``) and summed has-gradient
+    flags, by one reduce-scatter of ``grads`` (built in place; its own flags) or of ``fulls`` (this rank's full
+    gradients, padded, cast and concatenated here) with ``mine``, this rank's has-gradient flags.  ``async_op``: a
+    function that waits and returns them."""
     layouts = [p._layout for p in params]
     world, count, group = layouts[0].world, len(params), layouts[0].group
     direct: dict[int, torch.Tensor] = {}
@@ -286,9 +286,9 @@ def reduce_exact(name: str, params: Sequence, fulls: Optional[list[torch.Tensor]
 
 
 def _mean_shards(layouts: list, rows: list[torch.Tensor], work, sums: dict[int, torch.Tensor]
-                 ) -> tuple[list[torch.Tensor], torch.Tensor, list[bool]]:
-    """Wait for a unit's reduction; each parameter's mean shard, the summed has-gradient flags, and whether each
-    shard is owned (every one: fresh means, never rows of a full gradient, so each can become ``.grad`` as it is)."""
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Wait for a unit's reduction; each parameter's mean shard and the summed has-gradient flags.  Every shard is
+    fresh (never rows of a full gradient), so each can become ``.grad`` as it is."""
     work.wait()
     world, count, shard = layouts[0].world, len(layouts), rows[0].reshape(-1)
     flags = shard[-count:].to(torch.float64)
@@ -301,7 +301,7 @@ def _mean_shards(layouts: list, rows: list[torch.Tensor], work, sums: dict[int, 
         n = lay.local_shape().numel()
         out.append(shard[offset:offset + n].view(lay.local_shape()))
         offset += n
-    return out, flags, [True] * count
+    return out, flags
 
 
 def finish_reductions(in_flight: list, keep: int = 0) -> None:

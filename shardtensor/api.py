@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict  # noqa: F401  (_misuse_optim: step hooks)
+from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict, _traced_grads  # noqa: F401  (_misuse_optim: step hooks)
 from ._layout import ShardLayout
 from ._sync_switch import attach_habits
 from ._traced import record_param_dtype
@@ -168,6 +168,13 @@ def shard_module(
                 names[fqn] = new
                 param._shardtensor_sharded_as = fqn  # so a second model sharing `param` is refused
             owners.append((submodule, name, new))
+
+    reads: dict[int, tuple] = {}  # see [Note: a gradient reduced inside the compiled backward]
+    for submodule, name, param in owners:
+        if isinstance(param, ShardedParam):
+            reads.setdefault(id(submodule), (submodule, []))[1].append(name)
+    for submodule, sharded in reads.values():
+        _traced_grads.read_through_boundaries(submodule, sharded)
 
     step_begin = _step_begin_hook(module, gatherer, precision, owners, grad_sync)
     handles.append(module.register_forward_pre_hook(_misuse.PickleRefusingHook(step_begin), with_kwargs=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import _traced_grads
 from ._sync_switch import SyncSwitch, detach_habits
 from .api import _sharding_state
 from .gather import gather_full
@@ -64,6 +65,7 @@ def unshard_module(module: nn.Module) -> nn.Module:
                     plain.grad = gather_full(grad).clone() if isinstance(grad, ShardedParam) else grad.clone()
                 replaced[id(param)] = plain
             submodule._parameters[name] = replaced[id(param)]
+        _traced_grads.stop_reading_through_boundaries(submodule)
     del module._shardtensor
     detach_habits(module)
     module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)  # DDP may wrap it now (see _misuse.RefuseDDP)

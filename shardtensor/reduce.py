@@ -28,7 +28,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from . import _comm, _grad_landing, _misuse
+from . import _comm, _grad_landing, _misuse, _traced_grads
 from ._deferred_grads import DeferredGradients
 from ._layout import ShardLayout
 from .tensor import ShardedParam
@@ -182,6 +182,8 @@ class GradSync(DeferredGradients):
         (``group``, ``name``); now if it requires a gradient, else once it does."""
         if key is None:
             self._replicated_params.setdefault(id(param), (param, group, name))
+        else:
+            _traced_grads.record(param, self, key)
             param._shardtensor_replicated = True  # averaged here (an optimizer's check tells it from an outsider)
         if not param.requires_grad:
             self._frozen[id(param)] = (param, key, group, handles, name)
@@ -236,6 +238,12 @@ class GradSync(DeferredGradients):
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if isinstance(grad, ShardedParam):  # a gradient computed shard-wise is already this rank's
+                if _traced_grads.reduced_in_this_backward(key) and _grad_landing.captured_by_autograd_grad(param):
+                    raise RuntimeError(
+                        f"torch.autograd.grad through a compiled sharded model: its backward reduced the gradient "
+                        f"of {key!r} to this rank's shard of the mean, where eager returns this rank's own full "
+                        "gradient. Fix: call loss.backward() and read .grad, or run the model eagerly for "
+                        "torch.autograd.grad.")
                 return grad
             if _grad_landing.captured_by_autograd_grad(param):  # see [Note: torch.autograd.grad of ...]
                 return grad
@@ -263,6 +271,25 @@ class GradSync(DeferredGradients):
             return ShardedParam(shard if shard.dtype == dtype else shard.to(dtype), layout, name=key)
 
         return hook
+
+    def reduce_compiled(self, param: ShardedParam, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the mean of ``grad``, reduced inside a compiled backward (see [Note: a gradient
+        reduced inside the compiled backward] in ``_traced_grads.py``): the hook's synchronous path.  ``grad`` is
+        the graph's and is not written to."""
+        layout, dtype = param._layout, param.dtype
+        _traced_grads.note_reduced(key)  # (the hook names torch.autograd.grad, which this kernel cannot tell)
+        if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
+            self._defer(key, grad.detach(), (param, layout))
+            return grad.new_zeros(layout.local_shape(), dtype=dtype)
+        summed = self._with_deferred(key, grad.detach(), param)
+        if self._replicated_params:
+            self._queue_finish_once()  # the replicated gradients' reduction must run on every rank
+        shard = self.strategy.reduce_grad(summed, layout, key=key, dtype=dtype, owned=summed is not grad,
+                                          overlap=False)
+        if isinstance(shard, PendingReduce):
+            shard = shard.finish()
+        shard = shard.to(dtype)
+        return shard.clone() if shard.data_ptr() == grad.data_ptr() else shard
 
     def replicated_grad_hook(self, group, param: Optional[torch.Tensor] = None, name: str = ""):
         """Parameters that stay whole on every rank (0-d, or below ``persist_numel``): gradients averaged like

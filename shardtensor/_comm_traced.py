@@ -7,7 +7,7 @@ So on a gloo CPU group the traced gather is a custom op, opaque to the compiler,
 ``_comm.all_gather_rows``: the broadcasts, with the same identity check (ranks that diverge inside compiled code
 are named by a ``DivergenceError``, as in eager) and the same timed wait.  Its fake kernel gives the shape, so the
 graph has no break.  No autograd formula is needed: the graph reads the parameter through the ``ShardedParam``
-wrapper, whose gradient leaves the compiled backward whole and is reduced by the eager hook (``_traced.py``).
+wrapper, whose gradient the compiled backward reduces by its own node (``_traced_grads.py``).
 Other backends (NCCL) keep the functional collective, which the compiler can reorder and bucket.
 
 A gather unit's parameters are gathered by one node (``traced_unit_gather``, see [Note: unit gathers under

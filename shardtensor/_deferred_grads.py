@@ -22,6 +22,7 @@ class DeferredGradients:
     _deferred: dict
     _deferred_at: dict
     _deferred_now: set
+    _deferred_task: dict
 
     # [Note: deferred gradient sync]
     # ``shardtensor.gradient_sync(module, False)`` is FSDP's ``no_sync``: while it is off, each backward adds the
@@ -33,8 +34,12 @@ class DeferredGradients:
     def _defer(self, key: str, grad: torch.Tensor, owner: tuple) -> torch.Tensor:
         """Add ``grad`` to ``key``'s buffer; ``owner``: (sharded parameter, its layout)."""
         kept = self._deferred.get(key)
-        if kept is not None:
+        task = torch._C._current_graph_task_id()
+        # A second part of one backward's gradient (a compiled backward reduces a parameter read twice by two
+        # nodes) adds to the first: .grad is not stored yet, and an edit between them cannot be.
+        if kept is not None and not (task != -1 and self._deferred_task.get(key) == task):
             kept = _grad_edits.as_edited(owner[0], kept, self.deferred_at(key))
+        self._deferred_task[key] = task
         if kept is None:
             self._deferred[key] = grad.clone(memory_format=torch.contiguous_format)
         else:
@@ -42,7 +47,6 @@ class DeferredGradients:
         self._deferred_at[key] = _grad_edits.deferral_stamp()
         _misuse.note_deferred(self, key, owner)  # opt.step() refuses to run while this is deferred
         self._deferred_now.add(key)  # its .grad shard gets a fresh scale log at the end of this backward
-        task = torch._C._current_graph_task_id()
         if task != -1 and self._holders_queued_for != task:
             self._holders_queued_for = task
             torch.autograd.Variable._execution_engine.queue_callback(self._remember_holders)

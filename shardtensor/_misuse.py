@@ -338,18 +338,16 @@ def check_no_new_parameters(module: nn.Module, known: set) -> None:
 
 
 # ------------------------------------------------------------------------------------------- copies and wrappers
-DEEPCOPY_REFUSAL = (
-    "copy.deepcopy of a module sharded by shardtensor.shard_module is not supported: its gradient hooks and gather "
-    "schedule belong to the original, so the copy's gradients would silently stop being averaged across ranks. "
-    "Fix: deepcopy before shard_module and shard the copy, or build a fresh model, shard it, and load "
-    "shardtensor.full_state_dict(model) into it. (copy.deepcopy of a single ShardedParam is supported: it copies "
-    "the shard.)")
+DEEPCOPY_REFUSAL = ("copy.deepcopy of a module sharded by shardtensor.shard_module is not supported: its gradient "
+                    "hooks and gather schedule belong to the original, so the copy's gradients would silently stop "
+                    "being averaged across ranks. Fix: deepcopy before shard_module and shard the copy, or build a "
+                    "fresh model, shard it, and load shardtensor.full_state_dict(model) into it. (copy.deepcopy of "
+                    "a single ShardedParam is supported: it copies the shard.)")
 
 
 class PickleRefusingHook:
-    """The root forward pre-hook ``shard_module`` registers.  Pickling the model (``torch.save(model)``,
-    ``pickle.dumps``) reaches it first; a closure failed there with "Can't pickle local object", which names
-    neither the cause nor the fix."""
+    """The root forward pre-hook ``shard_module`` registers.  Pickling the model (``torch.save(model)``) reaches
+    it first; a closure failed there with "Can't pickle local object", naming neither the cause nor the fix."""
 
     __slots__ = ("fn",)
 
@@ -367,12 +365,14 @@ class PickleRefusingHook:
         raise TypeError(DEEPCOPY_REFUSAL)
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "pickling a module sharded by shardtensor.shard_module (torch.save(model), pickle.dumps(model)) is not "
-            "supported: its gradient hooks and gather schedule belong to this process and its ranks. Fix: save "
-            "the state instead: shardtensor.save_checkpoint(dir, model, opt), or state = "
-            "shardtensor.full_state_dict(model, rank0_only=True) on every rank and torch.save(state, f) on rank "
-            "0; to restore, build the model, shard it and load the state.")
+        raise TypeError(PICKLE_REFUSAL)
+
+
+PICKLE_REFUSAL = ("pickling a module sharded by shardtensor.shard_module (torch.save(model), pickle.dumps(model)) is"
+                  " not supported: its gradient hooks and gather schedule belong to this process and its ranks. Fix:"
+                  " save the state instead: shardtensor.save_checkpoint(dir, model, opt), or state = shardtensor."
+                  "full_state_dict(model, rank0_only=True) on every rank and torch.save(state, f) on rank 0; to "
+                  "restore, build the model, shard it and load the state.")
 
 
 class RefuseDDP:

@@ -17,15 +17,14 @@ identity-keyed buffers, blocking gloo collectives), so the dispatcher sends ever
     read the parameter (``grad @ W``), as eager does: in sequential mode a 1-block GPT's graphs hold 17 gathers
     forward and 11 backward, and no full weight lives from forward to backward.
 
-The gradient of a parameter leaves the compiled backward whole (autograd's formulas see plain tensors) and is
-reduce-scattered to this rank's shard of the mean by the same gradient hook as in eager: hooks on leaves run in
-the autograd engine after the compiled backward, not in the graph, so they cost no graph break.  Local ops
-(shard-wise pointwise ops, the optimizer step) are not traced by ``torch.compile(model)``; a compiled function
-that runs them on real shards takes the eager rules.
+Autograd's formulas see plain tensors, so they give a parameter's gradient whole; the compiled backward
+reduce-scatters it where it is complete, one node per parameter, and outputs this rank's shard (see [Note: a
+gradient reduced inside the compiled backward] in ``_traced_grads.py``), which the eager gradient hook takes as
+it is.  Local ops (shard-wise pointwise ops, the optimizer step) are not traced by ``torch.compile(model)``; a
+compiled function that runs them on real shards takes the eager rules.
 
-The eager forward hooks (the step hook, gather units) stand aside while Dynamo traces.  A gather unit's
-gradients still meet in its hook after the compiled backward and are reduced together, one collective per unit
-(see [Note: unheld gradients] in ``_units.py``); a parameter outside every unit is reduced on its own.
+The eager forward hooks (the step hook, gather units) stand aside while Dynamo traces; a gather unit is
+gathered by one node per phase (below), its gradients are reduced one by one.
 Mixed precision: the traced gather casts the shard to ``param_dtype`` before the collective, as the Gatherer
 does, and the step hook casts the root's floating inputs (both traced).
 

@@ -11,9 +11,10 @@ reduce-scatters the whole gradient it receives (``reduce_grad``, an opaque node 
 kernel is the eager reducer) and hands back this rank's shard of the mean as a ShardedParam.  AOTAutograd
 flattens that to the shard, so the backward graph outputs shards, each whole gradient is freed where it was
 reduced, and the eager gradient hook takes the arriving ShardedParam as it is (as it takes any gradient computed
-shard-wise).  A parameter read twice (tied embeddings) gets one boundary node per read, and the two nodes
-read the same graph input with the same op, so the graph keeps one: its whole gradient is summed before its one
-reduction (``tests/test_compile.py`` counts one reduction per sharded parameter).
+shard-wise).  A parameter read twice (tied embeddings) gets one boundary node per read.  The compiler may
+merge the two (they read the same graph input: one reduction of the summed gradient; ``tests/test_compile.py``
+counts one per sharded parameter) or keep both (two reductions, whose shards autograd adds shard-wise; with
+``gradient_sync`` off, both parts go into the one deferred sum: ``DeferredGradients._defer``).
 
 What the kernel does is the hook's synchronous path (``GradSync.reduce_compiled``): the reducer in the
 parameter's ``reduce_dtype``, ``gradient_sync(model, False)``'s deferral, the deferred sum folded into the next
@@ -28,9 +29,10 @@ from typing import Any
 
 import torch
 
+from ._dispatch import implements, views
 from .tensor import ShardedParam
 
-_RECORDS: dict[str, tuple] = {}  # graph key -> (weakref to the GradSync, weakref to the parameter, its name)
+_RECORDS: dict[str, tuple] = {}  # graph key -> (weakref to the GradSync, the parameter's name)
 _KEY_OF: dict[int, str] = {}  # id(layout) -> graph key
 _GRAD_SYNCS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # GradSync -> its number
 
@@ -40,7 +42,10 @@ def record(param, grad_sync, name: str) -> None:
     process of a job (it is baked into the graph: the ``shard_module`` call's number, then the name)."""
     number = _GRAD_SYNCS.setdefault(grad_sync, len(_GRAD_SYNCS))
     key = f"{number}/{name}"
-    _RECORDS[key] = (weakref.ref(grad_sync), weakref.ref(param), name)
+    # The GradSync holds the parameter (as its hooks do); no weakref to it, which would stop
+    # torch.utils.swap_tensors (``module.to_empty``, ``_apply``) from swapping it.
+    grad_sync.compiled_params[name] = param
+    _RECORDS[key] = (weakref.ref(grad_sync), name)
     layout_id = id(param._layout)
     _KEY_OF[layout_id] = key
     weakref.finalize(param._layout, _KEY_OF.pop, layout_id, None)
@@ -68,13 +73,14 @@ def reduced_in_this_backward(key: str) -> bool:
 
 
 def _resolve(key: str) -> tuple:
-    refs = _RECORDS.get(key)
-    grad_sync, param = (refs[0](), refs[1]()) if refs is not None else (None, None)
-    if grad_sync is None or param is None:
+    record = _RECORDS.get(key)
+    grad_sync = record[0]() if record is not None else None
+    param = grad_sync.compiled_params.get(record[1]) if grad_sync is not None else None
+    if param is None:
         raise RuntimeError(f"torch.compile: the compiled backward reduces the gradient of {key!r}, a parameter no "
                            "sharded model in this process has. Fix: torch._dynamo.reset() and compile the model "
                            "again.")
-    return grad_sync, param, refs[2]
+    return grad_sync, param, record[1]
 
 
 @torch.library.custom_op("shardtensor::reduce_grad", mutates_args=())
@@ -115,6 +121,7 @@ def _reduced(ctx, grad: torch.Tensor):
 _grad_boundary.register_autograd(_reduced, setup_context=_remember)
 
 BOUNDARY = torch.ops.shardtensor.grad_boundary.default
+implements(BOUNDARY)(views._identity_view)  # on a ShardedParam: an alias over the same shard (no gather)
 
 
 def _reader(name: str):
@@ -135,6 +142,18 @@ def _reader(name: str):
 _READING_CLASSES: dict[tuple, type] = {}
 
 
+def _refuse_pickling(module, protocol):  # (as the sharded root's hooks do; the class is not importable by name)
+    from ._misuse import PICKLE_REFUSAL
+
+    raise TypeError(PICKLE_REFUSAL)
+
+
+def _refuse_deepcopy(module, memo):
+    from ._misuse import PickleRefusingHook
+
+    return PickleRefusingHook.__deepcopy__(None, memo)
+
+
 def read_through_boundaries(module: torch.nn.Module, names: list[str]) -> None:
     """Give ``module`` a class of its own kind whose attributes ``names`` (sharded parameters) read through
     their gradient boundary under torch.compile; ``isinstance`` and the name are unchanged."""
@@ -144,7 +163,8 @@ def read_through_boundaries(module: torch.nn.Module, names: list[str]) -> None:
     if cls is None:
         attrs = {name: _reader(name) for name in sorted(names)}
         cls = type(base.__name__, (base,), {**attrs, "_shardtensor_base": base, "_shardtensor_reads": names,
-                                             "__module__": base.__module__, "__qualname__": base.__qualname__})
+                                             "__module__": base.__module__, "__qualname__": base.__qualname__,
+                                             "__reduce_ex__": _refuse_pickling, "__deepcopy__": _refuse_deepcopy})
         _READING_CLASSES[(base, names)] = cls
     module.__class__ = cls
 

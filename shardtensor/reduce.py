@@ -168,10 +168,12 @@ class GradSync(DeferredGradients):
         self._deferred: dict[str, torch.Tensor] = {}  # key -> summed full local gradient (gradient_sync off)
         self._deferred_at: dict[str, int] = {}  # key -> its last deferral's stamp (zero_grad since throws it away)
         self._deferred_now: set[str] = set()  # keys deferred since the last end of a deferring backward
+        self._deferred_task: dict[str, int] = {}  # key -> the backward (graph task) that last deferred it
         self._holders_queued_for = None  # the deferring backward whose end gives their .grad shards a scale log
         self._local_sums: set[int] = set()  # kept-whole parameters whose .grad got gradients while sync was off
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
         self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable
+        self.compiled_params: dict[str, ShardedParam] = {}  # key -> parameter, for compiled backwards' reductions
 
     # A parameter frozen at shard time (``requires_grad=False``) can take no hook (torch refuses one), and one
     # unfrozen later would otherwise train on its own full, unaveraged gradient.  So its hook is registered at the
@@ -182,9 +184,9 @@ class GradSync(DeferredGradients):
         (``group``, ``name``); now if it requires a gradient, else once it does."""
         if key is None:
             self._replicated_params.setdefault(id(param), (param, group, name))
+            param._shardtensor_replicated = True  # averaged here (an optimizer's check tells it from an outsider)
         else:
             _traced_grads.record(param, self, key)
-            param._shardtensor_replicated = True  # averaged here (an optimizer's check tells it from an outsider)
         if not param.requires_grad:
             self._frozen[id(param)] = (param, key, group, handles, name)
             return

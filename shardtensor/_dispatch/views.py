@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import _traced_grads
 from .._layout import ViewStep, view_geometry
 from ..tensor import ShardedParam
 from ._common import _BIJECTIVE_VIEWS, _params_in, aten, implements
 from .compute import _Gathered, _unalias, compute
 
 
-@implements([aten.detach.default, aten.alias.default, aten.lift_fresh.default, _traced_grads.BOUNDARY])
+@implements([aten.detach.default, aten.alias.default, aten.lift_fresh.default])
 def _identity_view(func, args, kwargs):
     # detach: nn.Parameter(...), AccumulateGrad and optimizers call it; it must not gather.
     self = args[0]

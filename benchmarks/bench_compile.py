@@ -5,7 +5,8 @@ Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
   - ``st-eager-seq``:   ``shard_module(model, gather="sequential")``, eager;
   - ``st-compiled``:    ``torch.compile(shard_module(model), fullgraph=True)``: one graph, a gather node per gather
     unit (each block, the root) in the forward and again in the backward, on gloo the eager unit collective as a
-    custom op (shared memory where the ranks share a host: see shardtensor/_traced.py);
+    custom op (shared memory where the ranks share a host: see shardtensor/_traced.py), and a reduce-scatter node
+    per parameter in the backward (shardtensor/_traced_grads.py);
   - ``st-compiled-seq``: the same with ``gather="sequential"``: a gather node per parameter read (the lowest peak);
   - ``st-compiled-bucketed`` (not in the default set): ``st-compiled`` with inductor's all-gather bucketing and
     compute/comm reordering on (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``: they act

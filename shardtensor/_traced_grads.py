@@ -5,16 +5,21 @@ The traced gather (``_traced.py``) runs below autograd, so autograd's formulas g
 ShardedParam as a whole, plain tensor.  Left at that, every parameter's whole gradient is an output of the
 compiled backward, and all of them live at once at its end until the eager hooks reduce them: on a 54M-parameter
 GPT the compiled step's peak was 1.56x the eager one's, most of the memory ZeRO-3 saves.  So while Dynamo
-traces, every torch function that reads a trainable ShardedParam leaf reads it through ``grad_boundary``
-(``ShardedParam.__torch_function__``): an alias of the parameter at the autograd level whose backward formula
-reduce-scatters the whole gradient it receives (``reduce_grad``, an opaque node of the backward graph whose
-kernel is the eager reducer) and hands back this rank's shard of the mean as a ShardedParam.  AOTAutograd
-flattens that to the shard, so the backward graph outputs shards, each whole gradient is freed where it was
-reduced, and the eager gradient hook takes the arriving ShardedParam as it is (as it takes any gradient computed
-shard-wise).  A parameter read twice (tied embeddings) gets one boundary node per read.  The compiler may
-merge the two (they read the same graph input: one reduction of the summed gradient; ``tests/test_compile.py``
-counts one per sharded parameter) or keep both (two reductions, whose shards autograd adds shard-wise; with
-``gradient_sync`` off, both parts go into the one deferred sum: ``DeferredGradients._defer``).
+traces, a module reads each trainable ShardedParam of its own through ``grad_boundary``: an alias of the
+parameter at the autograd level whose backward formula reduce-scatters the whole gradient it receives
+(``reduce_grad``, an opaque node of the backward graph whose kernel is the eager reducer) and hands back this
+rank's shard of the mean as a ShardedParam.  The read is a property of the module's class: ``shard_module``
+gives each module that holds sharded parameters a subclass of its own class (same name, same ``isinstance``)
+with one property per sharded parameter, as ``torch.nn.utils.parametrize`` does, because Dynamo traces such a
+property but not a ``__torch_function__`` of a subclass like ours (it treats ShardedParam as a plain tensor).
+AOTAutograd flattens the gradient to the shard, so the backward graph outputs shards, each whole gradient is
+freed where it was reduced, and the eager gradient hook takes the arriving ShardedParam as it is (as it takes
+any gradient computed shard-wise).
+
+A parameter read twice (tied embeddings) gets one boundary node per read.  The compiler may merge the two (they
+read the same graph input: one reduction of the summed gradient; ``tests/test_compile.py`` counts one per sharded
+parameter) or keep both (two reductions, whose shards autograd adds shard-wise; with ``gradient_sync`` off, both
+parts go into the one deferred sum: ``DeferredGradients._defer``).
 
 What the kernel does is the hook's synchronous path (``GradSync.reduce_compiled``): the reducer in the
 parameter's ``reduce_dtype``, ``gradient_sync(model, False)``'s deferral, the deferred sum folded into the next
@@ -70,6 +75,30 @@ def note_reduced(key: str) -> None:
 def reduced_in_this_backward(key: str) -> bool:
     """Whether the running backward's compiled graph reduced ``key``'s gradient (its hook then sees a shard)."""
     return _REDUCED[0] == torch._C._current_graph_task_id() != -1 and key in _REDUCED[1]
+
+
+class CompiledReductions:
+    """The compiled backward's half of ``GradSync`` (which defines the deferral, the reducer and the units)."""
+
+    def reduce_compiled(self, param: ShardedParam, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the mean of ``grad``, reduced inside a compiled backward (see [Note: a gradient
+        reduced inside the compiled backward]): the hook's synchronous path, through the unit's shared memory where
+        it has one (a collective per parameter).  ``grad`` is the graph's and is not written to."""
+        layout, dtype = param._layout, param.dtype
+        note_reduced(key)  # (the hook names torch.autograd.grad, which this kernel cannot tell)
+        if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
+            self._defer(key, grad.detach(), (param, layout))
+            return grad.new_zeros(layout.local_shape(), dtype=dtype)
+        detached = grad.detach()
+        summed = self._with_deferred(key, detached, param)
+        if self._replicated_params:
+            self._queue_finish_once()  # the replicated gradients' reduction must run on every rank
+        owned = summed is not detached  # (the deferred sum, ours)
+        shard = self.units.reduce_alone(param, key, summed, owned, self.strategy) if self.units is not None else None
+        if shard is None:  # (with overlap=False a strategy returns the shard itself)
+            shard = self.strategy.reduce_grad(summed, layout, key=key, dtype=dtype, owned=owned, overlap=False)
+        shard = shard.to(dtype)
+        return shard.clone() if shard.data_ptr() == grad.data_ptr() else shard
 
 
 def _resolve(key: str) -> tuple:

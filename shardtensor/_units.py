@@ -33,10 +33,11 @@ from torch.utils._pytree import tree_leaves
 from . import _comm, _comm_shm, _grad_landing, _misuse, _traced
 from ._layout import ShardLayout
 from .gather import GatherMode
+from .reduce import ExactReducer
 from ._unit import _Unit
 from ._unit_autograd import PostBackward, tie_if_another_rank_needs
 from ._unit_policy import UnitPolicy, _data_dependent, select_units  # noqa: F401  (UnitPolicy: re-exported)
-from ._unit_buffers import FullsPool, finish_reductions
+from ._unit_buffers import FullsPool, finish_reductions, reduce_exact
 from .tensor import ShardedParam
 
 if TYPE_CHECKING:
@@ -111,6 +112,19 @@ class UnitSet:
                                                             with_kwargs=True))
             handles.append(module.register_forward_hook(_misuse.PickleRefusingHook(self._post_forward(unit)),
                                                         always_call=True, with_kwargs=True))
+
+    def reduce_alone(self, param: ShardedParam, key: str, full: torch.Tensor, owned: bool, strategy
+                     ) -> Optional[torch.Tensor]:
+        """``param``'s mean shard of its whole gradient ``full``, by one reduce-scatter of its own through its
+        unit's shared memory (a compiled backward's reduction, see ``_traced_grads.py``); None where its unit has
+        no channel or the reducer is not the exact one.  ``owned``: ``full`` may be reduced in place."""
+        found = self.of_param.get(id(param))
+        channel = found[0]._channel() if found is not None else None
+        if channel is None or type(strategy) is not ExactReducer:
+            return None
+        full = full if owned else full.clone(memory_format=torch.contiguous_format)
+        ones = torch.ones(1, dtype=torch.float64)
+        return reduce_exact(key, [param], [full], ones, strategy.reduce_dtype, channel=channel)[0][0]
 
     def take_grad(self, param: ShardedParam, grad: torch.Tensor, owned: bool = False) -> Optional[torch.Tensor]:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to

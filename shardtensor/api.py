@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict, _traced_grads  # noqa: F401  (_misuse_optim: step hooks)
+from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict  # noqa: F401  (_misuse_optim: step hooks)
+from . import _traced_grads
 from ._layout import ShardLayout
 from ._sync_switch import attach_habits
 from ._traced import record_param_dtype

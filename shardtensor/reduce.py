@@ -151,7 +151,7 @@ def _read_by_user_hooks(param: torch.Tensor) -> bool:
     return bool(getattr(param, "_post_accumulate_grad_hooks", None)) or len(param._backward_hooks or ()) > 1
 
 
-class GradSync(DeferredGradients):
+class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
     """Per-module switch and reducer shared by the gradient hooks of one ``shard_module`` call."""
 
     def __init__(self, reducer: GradientReducer, grad_dtype: Optional[torch.dtype] = None,
@@ -273,25 +273,6 @@ class GradSync(DeferredGradients):
             return ShardedParam(shard if shard.dtype == dtype else shard.to(dtype), layout, name=key)
 
         return hook
-
-    def reduce_compiled(self, param: ShardedParam, key: str, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the mean of ``grad``, reduced inside a compiled backward (see [Note: a gradient
-        reduced inside the compiled backward] in ``_traced_grads.py``): the hook's synchronous path.  ``grad`` is
-        the graph's and is not written to."""
-        layout, dtype = param._layout, param.dtype
-        _traced_grads.note_reduced(key)  # (the hook names torch.autograd.grad, which this kernel cannot tell)
-        if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
-            self._defer(key, grad.detach(), (param, layout))
-            return grad.new_zeros(layout.local_shape(), dtype=dtype)
-        summed = self._with_deferred(key, grad.detach(), param)
-        if self._replicated_params:
-            self._queue_finish_once()  # the replicated gradients' reduction must run on every rank
-        shard = self.strategy.reduce_grad(summed, layout, key=key, dtype=dtype, owned=summed is not grad,
-                                          overlap=False)
-        if isinstance(shard, PendingReduce):
-            shard = shard.finish()
-        shard = shard.to(dtype)
-        return shard.clone() if shard.data_ptr() == grad.data_ptr() else shard
 
     def replicated_grad_hook(self, group, param: Optional[torch.Tensor] = None, name: str = ""):
         """Parameters that stay whole on every rank (0-d, or below ``persist_numel``): gradients averaged like

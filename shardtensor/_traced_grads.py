@@ -29,6 +29,7 @@ on its own, where its gradient is complete.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -40,12 +41,15 @@ from .tensor import ShardedParam
 _RECORDS: dict[str, tuple] = {}  # graph key -> (weakref to the GradSync, the parameter's name)
 _KEY_OF: dict[int, str] = {}  # id(layout) -> graph key
 _GRAD_SYNCS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # GradSync -> its number
+_grad_sync_numbers = itertools.count()  # in shard_module call order: the same in every process of a job
 
 
 def record(param, grad_sync, name: str) -> None:
     """Make ``param``'s gradient reducible inside a compiled backward, under a key that is the same in every
     process of a job (it is baked into the graph: the ``shard_module`` call's number, then the name)."""
-    number = _GRAD_SYNCS.setdefault(grad_sync, len(_GRAD_SYNCS))
+    number = _GRAD_SYNCS.get(grad_sync)
+    if number is None:  # (a count, not len(_GRAD_SYNCS): the table shrinks as models go, and a number came back)
+        number = _GRAD_SYNCS[grad_sync] = next(_grad_sync_numbers)
     key = f"{number}/{name}"
     # The GradSync holds the parameter (as its hooks do); no weakref to it, which would stop
     # torch.utils.swap_tensors (``module.to_empty``, ``_apply``) from swapping it.

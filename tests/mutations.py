@@ -54,6 +54,11 @@ MUTATIONS = {
         "        if kept is not None and not (task != -1 and self._deferred_task.get(key) == task):",
         "        if kept is not None:",
         ("tests/test_compile.py::test_compiled_gradient_accumulation_without_sync_equals_eager",)),
+    "graph_keys_numbered_by_live_models": Mutation(
+        "shardtensor/_traced_grads.py", "record",
+        "        number = _GRAD_SYNCS[grad_sync] = next(_grad_sync_numbers)",
+        "        number = _GRAD_SYNCS[grad_sync] = len(_GRAD_SYNCS)",
+        ("tests/test_compile.py::test_graph_keys_of_gradients_are_never_given_twice",)),
     "channel_sums_in_another_order": Mutation(
         "shardtensor/_comm_shm.py", "__init__",
         "        self.peers = [(channel.rank - k) % channel.world", "        self.peers = [(channel.rank + k) % channel.world",

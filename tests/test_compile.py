@@ -231,6 +231,27 @@ def test_compiled_gradient_accumulation_without_sync_equals_eager():
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
+def graph_keys_case() -> list:
+    """The key a compiled backward reduces a gradient under, for models sharded, dropped and sharded again."""
+    import gc
+
+    from shardtensor import _traced_grads
+
+    models = [shardtensor.shard_module(nn.Linear(4, 4)) for _ in range(2)]
+    del models[0]
+    gc.collect()
+    models.append(shardtensor.shard_module(nn.Linear(4, 4)))
+    return [_traced_grads.key_of(m.weight._layout) for m in models]
+
+
+def test_graph_keys_of_gradients_are_never_given_twice():
+    # A key numbered by the live models came back once one was gone: a compiled backward reduced "12/head.bias"
+    # of another model, or (where the ranks' garbage collection differed) raised on one rank while the other
+    # waited in the collective.
+    for keys in run_on_ranks(2, graph_keys_case):
+        assert None not in keys and len(set(keys)) == 2, keys
+
+
 def mixed_precision_case(world: int) -> tuple:
     """bf16 compute (param_dtype): the traced gather casts before the collective as the eager Gatherer does."""
     import torch._dynamo

@@ -124,6 +124,22 @@ def record_units(units: list) -> None:
             weakref.finalize(layout, _forget, id(layout))
 
 
+_GRAD_KEY_OF: dict[int, str] = {}  # id(layout) -> the key its gradient's reduction has in a compiled backward
+
+
+def record_grad_key(layout: Any, key: str) -> None:
+    """Remember the key under which a compiled backward reduces the gradient of ``layout``'s parameter (see
+    ``_traced_grads.py``)."""
+    if id(layout) not in _GRAD_KEY_OF:
+        weakref.finalize(layout, _GRAD_KEY_OF.pop, id(layout), None)
+    _GRAD_KEY_OF[id(layout)] = key
+
+
+def grad_key_of(layout: Any) -> Optional[str]:
+    """The key of ``record_grad_key`` (None: the eager hook reduces the gradient)."""
+    return _GRAD_KEY_OF.get(id(layout))
+
+
 def _forget(layout_id: int) -> None:
     _UNIT_OF.pop(layout_id, None)
     _TRACED_SHARDS.pop(layout_id, None)
@@ -184,12 +200,13 @@ def traced_gather(param, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     return apply_views(full, param._views)
 
 
-_GRAPH_FORM = 2  # what the traced path emits (a cached graph of another form is not reused): unit gathers, `after`
+_GRAPH_FORM = 3  # what the traced path emits (a cached graph of another form is not reused): unit gathers, `after`,
+# the gradient reductions (whose keys the backward graph holds: a cached graph of another key is not reused)
 
 
 def cache_fields(param) -> tuple:
     """What ``cache_key`` hashes: everything the traced path reads (global and local geometry, the group, the
-    views, the gather's cast, the unit), and nothing that varies between processes of one job (object ids)."""
+    views, the gather's cast, the unit, the gradient's reduction key), and nothing that varies between processes of one job (object ids)."""
     layout, local = param._layout, param._local
     return (
         type(layout).__name__, tuple(param.shape), str(param.dtype), param.requires_grad,
@@ -197,7 +214,8 @@ def cache_fields(param) -> tuple:
         tuple(getattr(layout, "shape", ())), getattr(layout, "rows_per_rank", None),
         getattr(layout, "rank", None), getattr(layout, "world", None),
         str(getattr(getattr(layout, "group", None), "group_name", "default")),
-        repr(param._views), str(param_dtype_of(layout)), _UNIT_OF.get(id(layout)), _GRAPH_FORM,
+        repr(param._views), str(param_dtype_of(layout)), _UNIT_OF.get(id(layout)), _GRAD_KEY_OF.get(id(layout)),
+        _GRAPH_FORM,
     )
 
 

@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
+from . import _traced
 from ._dispatch import implements, views
 from .tensor import ShardedParam
 
 _RECORDS: dict[str, tuple] = {}  # graph key -> (weakref to the GradSync, the parameter's name)
-_KEY_OF: dict[int, str] = {}  # id(layout) -> graph key
 _GRAD_SYNCS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # GradSync -> its number
 _grad_sync_numbers = itertools.count()  # in shard_module call order: the same in every process of a job
 
@@ -55,14 +55,10 @@ def record(param, grad_sync, name: str) -> None:
     # torch.utils.swap_tensors (``module.to_empty``, ``_apply``) from swapping it.
     grad_sync.compiled_params[name] = param
     _RECORDS[key] = (weakref.ref(grad_sync), name)
-    layout_id = id(param._layout)
-    _KEY_OF[layout_id] = key
-    weakref.finalize(param._layout, _KEY_OF.pop, layout_id, None)
+    _traced.record_grad_key(param._layout, key)  # (also in the graph's cache key: _traced.cache_fields)
 
 
-def key_of(layout) -> str | None:
-    """The graph key of the parameter of ``layout`` (None: its gradient is reduced by the eager hook)."""
-    return _KEY_OF.get(id(layout))
+key_of = _traced.grad_key_of
 
 
 _REDUCED: list = [None, set()]  # [the backward (graph task) whose kernels reduced, the keys they reduced]

@@ -59,6 +59,10 @@ MUTATIONS = {
         "        number = _GRAD_SYNCS[grad_sync] = next(_grad_sync_numbers)",
         "        number = _GRAD_SYNCS[grad_sync] = len(_GRAD_SYNCS)",
         ("tests/test_compile.py::test_graph_keys_of_gradients_are_never_given_twice",)),
+    "graph_cache_blind_to_reduction_keys": Mutation(
+        "shardtensor/_traced.py", "cache_fields",
+        "_UNIT_OF.get(id(layout)), _GRAD_KEY_OF.get(id(layout)),", "_UNIT_OF.get(id(layout)), None,",
+        ("tests/test_compile.py::test_cache_key_is_stable_and_tells_graphs_apart",)),
     "channel_sums_in_another_order": Mutation(
         "shardtensor/_comm_shm.py", "__init__",
         "        self.peers = [(channel.rank - k) % channel.world", "        self.peers = [(channel.rank + k) % channel.world",

@@ -280,6 +280,7 @@ def cache_key_case(world: int) -> list[bool]:
     one = shardtensor.shard_module(_gpt(False))
     two = shardtensor.shard_module(_gpt(False))
     bf16 = shardtensor.shard_module(_gpt(False), param_dtype=torch.bfloat16)
+    seq_one, seq_two = (shardtensor.shard_module(_gpt(False), gather="sequential") for _ in range(2))  # no units
     w1, w2, w3 = one.wte.weight, two.wte.weight, bf16.wte.weight
     key = w1._stable_hash_for_caching()
     fields = list(_traced.cache_fields(one.blocks[0].attn.qkv.weight))
@@ -293,7 +294,10 @@ def cache_key_case(world: int) -> list[bool]:
             key != w2._stable_hash_for_caching(),              # another model's unit: another graph
             key != w1.t()._stable_hash_for_caching(),          # a view traces other ops
             key != w3._stable_hash_for_caching(),              # the gather casts to bf16
-            key != one.blocks[0].attn.qkv.weight._stable_hash_for_caching()]
+            key != one.blocks[0].attn.qkv.weight._stable_hash_for_caching(),
+            # another model's gradient reductions (their keys are in the backward graph): a cached graph reduced
+            # a gradient no model of the process had
+            seq_one.wte.weight._stable_hash_for_caching() != seq_two.wte.weight._stable_hash_for_caching()]
 
 
 def test_cache_key_is_stable_and_tells_graphs_apart():

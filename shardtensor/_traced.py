@@ -206,7 +206,8 @@ _GRAPH_FORM = 3  # what the traced path emits (a cached graph of another form is
 
 def cache_fields(param) -> tuple:
     """What ``cache_key`` hashes: everything the traced path reads (global and local geometry, the group, the
-    views, the gather's cast, the unit, the gradient's reduction key), and nothing that varies between processes of one job (object ids)."""
+    views, the gather's cast, the unit, the gradient's reduction key), and nothing that varies between processes
+    of one job (object ids)."""
     layout, local = param._layout, param._local
     return (
         type(layout).__name__, tuple(param.shape), str(param.dtype), param.requires_grad,

@@ -13,9 +13,10 @@ has-gradient flag per parameter travels in the same collective: a parameter no r
 keeps ``grad=None``, as in the unsharded model (so AdamW does not decay an expert nobody used).
 
 [Note: unheld gradients]
-A gradient can reach a unit's parameter while the unit is not held for backward (an op outside the unit's modules
-read it).  The unit keeps them and reduces them together once every parameter of it that requires a gradient has one
-(or at the end of backward, zeros for the others): one collective per unit, and the same order on every rank.
+A gradient can reach a unit's parameter while the unit is not held for backward (its modules' backward hooks are
+not around the op that produced it).  The unit keeps them and reduces them together once every parameter of it
+that requires a gradient has one (or at the end of backward, zeros for the others): one collective per unit, and
+the same order on every rank.
 
 A parameter shared outside its unit (tied weights) keeps per-op gathers.  Default units: overlapped and auto
 take FSDP2's wrapping (one collective per block and direction, not per parameter); sequential mode (lowest peak)

@@ -112,6 +112,12 @@ _GATHERED: dict[str, tuple] = {}  # unit key -> (phase, weakrefs to the shards, 
 _unit_sets = itertools.count()
 
 
+def unit_key_of(layout: Any) -> Optional[str]:
+    """The key of the unit ``layout``'s parameter is gathered with under compile (None: none)."""
+    place = _UNIT_OF.get(id(layout))
+    return place[0] if place is not None else None
+
+
 def record_units(units: list) -> None:
     """Make ``units`` (``_Unit``s of one UnitSet) gatherable as one node each under compile."""
     number = next(_unit_sets)
@@ -200,7 +206,7 @@ def traced_gather(param, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     return apply_views(full, param._views)
 
 
-_GRAPH_FORM = 3  # what the traced path emits (a cached graph of another form is not reused): unit gathers, `after`,
+_GRAPH_FORM = 4  # what the traced path emits (a cached graph of another form is not reused): unit gathers, `after`,
 # the gradient reductions (whose keys the backward graph holds: a cached graph of another key is not reused)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import _traced
+from . import _traced, _traced_buckets
 from ._dispatch import implements, views
 from .tensor import ShardedParam
 
@@ -56,6 +56,7 @@ def record(param, grad_sync, name: str) -> None:
     grad_sync.compiled_params[name] = param
     _RECORDS[key] = (weakref.ref(grad_sync), name)
     _traced.record_grad_key(param._layout, key)  # (also in the graph's cache key: _traced.cache_fields)
+    _traced_buckets.install()
 
 
 key_of = _traced.grad_key_of
@@ -82,23 +83,45 @@ class CompiledReductions:
 
     def reduce_compiled(self, param: ShardedParam, key: str, grad: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the mean of ``grad``, reduced inside a compiled backward (see [Note: a gradient
-        reduced inside the compiled backward]): the hook's synchronous path, through the unit's shared memory where
-        it has one (a collective per parameter).  ``grad`` is the graph's and is not written to."""
-        layout, dtype = param._layout, param.dtype
-        note_reduced(key)  # (the hook names torch.autograd.grad, which this kernel cannot tell)
-        if not self.enabled:  # gradient_sync(module, False): keep the full local gradient, reduce later
-            self._defer(key, grad.detach(), (param, layout))
-            return grad.new_zeros(layout.local_shape(), dtype=dtype)
-        detached = grad.detach()
-        summed = self._with_deferred(key, detached, param)
+        reduced inside the compiled backward]).  ``grad`` is the graph's and is not written to."""
+        return self.reduce_compiled_together([param], [key], [grad], [False])[0]
+
+    def reduce_compiled_together(self, params: list, keys: list[str], grads: list[torch.Tensor],
+                                 owned: list[bool]) -> list[torch.Tensor]:
+        """The shards of the means of ``grads`` (``params``' whole gradients, of one unit where there are more
+        than one: see [Note: a unit's gradients reduced together under compile]): the hook's synchronous path,
+        through the unit's shared memory where it has one.  ``owned[i]``: nothing in the graph reads ``grads[i]``
+        after this, so a large one may be reduced in its own tensor; the others are not written to."""
+        for key in keys:
+            note_reduced(key)  # (the hook names torch.autograd.grad, which this kernel cannot tell)
+        if not self.enabled:  # gradient_sync(module, False): keep the full local gradients, reduce later
+            for param, key, grad in zip(params, keys, grads):
+                self._defer(key, grad.detach(), (param, param._layout))
+            return [grad.new_zeros(p._layout.local_shape(), dtype=p.dtype) for p, grad in zip(params, grads)]
+        fulls, ours = [], []
+        for param, key, grad in zip(params, keys, grads):
+            detached = grad.detach()
+            fulls.append(self._with_deferred(key, detached, param))
+            ours.append(fulls[-1] is not detached)  # (the deferred sum, ours)
         if self._replicated_params:
             self._queue_finish_once()  # the replicated gradients' reduction must run on every rank
-        owned = summed is not detached  # (the deferred sum, ours)
-        shard = self.units.reduce_alone(param, key, summed, owned, self.strategy) if self.units is not None else None
-        if shard is None:  # (with overlap=False a strategy returns the shard itself)
-            shard = self.strategy.reduce_grad(summed, layout, key=key, dtype=dtype, owned=owned, overlap=False)
-        shard = shard.to(dtype)
-        return shard.clone() if shard.data_ptr() == grad.data_ptr() else shard
+        shards = None
+        if self.units is not None:
+            writable = [mine or own for mine, own in zip(ours, owned)]
+            shards = self.units.reduce_together(params, keys, fulls, writable, self.strategy)
+        if shards is None:  # (with overlap=False a strategy returns the shard itself)
+            shards = [self.strategy.reduce_grad(full, p._layout, key=key, dtype=p.dtype, owned=mine, overlap=False)
+                      for p, key, full, mine in zip(params, keys, fulls, ours)]
+        # An op's outputs alias neither its inputs nor each other (the small parameters' shards are columns of
+        # one reduced buffer): those get a tensor of their own.
+        taken = {g.untyped_storage().data_ptr() for g in grads}
+        out = []
+        for shard, param in zip(shards, params):
+            shard = shard.to(param.dtype)
+            storage = shard.untyped_storage().data_ptr()
+            out.append(shard.clone() if storage in taken else shard)
+            taken.add(storage)
+        return out
 
 
 def _resolve(key: str) -> tuple:
@@ -112,14 +135,24 @@ def _resolve(key: str) -> tuple:
     return grad_sync, param, record[1]
 
 
+def resolve_params(keys: list[str]) -> tuple:
+    """(the GradSync, the parameters, their names) of graph keys of one model (``_traced_buckets``)."""
+    found = [_resolve(key) for key in keys]
+    if any(grad_sync is not found[0][0] for grad_sync, _, _ in found):
+        raise RuntimeError(f"torch.compile: one reduction of the compiled backward holds gradients of two sharded "
+                           f"models ({keys}). Fix: torch._dynamo.reset() and compile the model again.")
+    return found[0][0], [param for _, param, _ in found], [name for _, _, name in found]
+
+
 @torch.library.custom_op("shardtensor::reduce_grad", mutates_args=())
-def _reduce_grad(grad: torch.Tensor, key: str) -> torch.Tensor:
+def _reduce_grad(grad: torch.Tensor, key: str, unit: str) -> torch.Tensor:
+    # (``unit``: the gather unit's key, or "": read only by the pass that merges a unit's reductions)
     grad_sync, param, name = _resolve(key)
     return grad_sync.reduce_compiled(param, name, grad)
 
 
 @_reduce_grad.register_fake
-def _(grad: torch.Tensor, key: str) -> torch.Tensor:
+def _(grad: torch.Tensor, key: str, unit: str) -> torch.Tensor:
     _, param, _ = _resolve(key)
     return grad.new_empty(param._layout.local_shape(), dtype=param.dtype)
 
@@ -138,12 +171,13 @@ def _(param: torch.Tensor) -> torch.Tensor:
 def _remember(ctx, inputs: tuple, output: Any) -> None:
     param = inputs[0]
     ctx.key, ctx.layout, ctx.name, ctx.device = key_of(param._layout), param._layout, param._name, param.device
+    ctx.unit = _traced.unit_key_of(param._layout) or ""
 
 
 def _reduced(ctx, grad: torch.Tensor):
     if ctx.key is None:  # a parameter whose gradient the eager hook reduces
         return grad
-    shard = torch.ops.shardtensor.reduce_grad(grad, ctx.key)
+    shard = torch.ops.shardtensor.reduce_grad(grad, ctx.key, ctx.unit)
     return ShardedParam(shard, ctx.layout, name=ctx.name, device=ctx.device)
 
 

@@ -25,6 +25,7 @@ takes only MoE layers, where a unit is needed for the right numbers.  An explici
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -38,7 +39,7 @@ from .reduce import ExactReducer
 from ._unit import _Unit
 from ._unit_autograd import PostBackward, tie_if_another_rank_needs
 from ._unit_policy import UnitPolicy, _data_dependent, select_units  # noqa: F401  (UnitPolicy: re-exported)
-from ._unit_buffers import FullsPool, finish_reductions, reduce_exact
+from ._unit_buffers import FullsPool, direct_positions, finish_reductions, reduce_exact
 from .tensor import ShardedParam
 
 if TYPE_CHECKING:
@@ -114,18 +115,24 @@ class UnitSet:
             handles.append(module.register_forward_hook(_misuse.PickleRefusingHook(self._post_forward(unit)),
                                                         always_call=True, with_kwargs=True))
 
-    def reduce_alone(self, param: ShardedParam, key: str, full: torch.Tensor, owned: bool, strategy
-                     ) -> Optional[torch.Tensor]:
-        """``param``'s mean shard of its whole gradient ``full``, by one reduce-scatter of its own through its
-        unit's shared memory (a compiled backward's reduction, see ``_traced_grads.py``); None where its unit has
-        no channel or the reducer is not the exact one.  ``owned``: ``full`` may be reduced in place."""
-        found = self.of_param.get(id(param))
-        channel = found[0]._channel() if found is not None else None
-        if channel is None or type(strategy) is not ExactReducer:
+    def reduce_together(self, params: list, keys: list[str], fulls: list[torch.Tensor], owned: list[bool],
+                        strategy) -> Optional[list[torch.Tensor]]:
+        """The mean shards of ``params``' whole gradients ``fulls`` (all of one unit), by one reduce-scatter through
+        their unit's shared memory (a compiled backward's reduction, see ``_traced_grads.py``); None where they are
+        not all of one unit with a channel, or the reducer is not the exact one.  ``owned[i]``: ``fulls[i]`` may be
+        written (a gradient reduced in its own tensor is reduced in place: see [Note: direct gradients])."""
+        found = [self.of_param.get(id(p)) for p in params]
+        unit = found[0][0] if found[0] is not None else None
+        channel = unit._channel() if unit is not None else None
+        if channel is None or type(strategy) is not ExactReducer or any(f is None or f[0] is not unit for f in found):
             return None
-        full = full if owned else full.clone(memory_format=torch.contiguous_format)
-        ones = torch.ones(1, dtype=torch.float64)
-        return reduce_exact(key, [param], [full], ones, strategy.reduce_dtype, channel=channel)[0][0]
+        dtype = strategy.reduce_dtype or functools.reduce(torch.promote_types, [g.dtype for g in fulls])
+        direct = set(direct_positions([p._layout for p in params], dtype, fulls[0].device))
+        fulls = [g.clone(memory_format=torch.contiguous_format) if i in direct and not owned[i] else g
+                 for i, g in enumerate(fulls)]
+        ones = torch.ones(len(params), dtype=torch.float64)
+        name = unit.name if len(params) > 1 else keys[0]
+        return reduce_exact(name, params, fulls, ones, strategy.reduce_dtype, channel=channel)[0]
 
     def take_grad(self, param: ShardedParam, grad: torch.Tensor, owned: bool = False) -> Optional[torch.Tensor]:
         """GradSync's hook: keep a unit parameter's gradient for the unit's reduction; a zero shard goes to

@@ -31,23 +31,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 _FORM = 1  # what the pass does (in its uuid: inductor's cache does not reuse a graph another form made)
 
 
-@torch.library.custom_op("shardtensor::reduce_grads", mutates_args=())
-def _reduce_grads(grads: list[torch.Tensor], keys: str, owned: list[bool]) -> list[torch.Tensor]:
-    # (``keys``: the parameters' graph keys, one per line: an op's schema has no list of strings)
-    from ._traced_grads import resolve_params
-
-    grad_sync, params, names = resolve_params(keys.split("\n"))
-    return grad_sync.reduce_compiled_together(params, names, list(grads), list(owned))
-
-
-@_reduce_grads.register_fake
-def _(grads: list[torch.Tensor], keys: str, owned: list[bool]) -> list[torch.Tensor]:
-    from ._traced_grads import resolve_params
-
-    _, params, _ = resolve_params(keys.split("\n"))
-    return [g.new_empty(p._layout.local_shape(), dtype=p.dtype) for g, p in zip(grads, params)]
-
-
 def _read_nowhere_else(grad: torch.fx.Node) -> bool:
     """Whether ``grad`` (a reduction's input) is a fresh tensor that no other node of the graph reads."""
     target = grad.target

@@ -23,8 +23,8 @@ parts go into the one deferred sum: ``DeferredGradients._defer``).
 
 What the kernel does is the hook's synchronous path (``GradSync.reduce_compiled``): the reducer in the
 parameter's ``reduce_dtype``, ``gradient_sync(model, False)``'s deferral, the deferred sum folded into the next
-synced backward.  It does not wait for a gather unit's other gradients: under compile each parameter is reduced
-on its own, where its gradient is complete.
+synced backward.  Under inductor a pass of ours merges each gather unit's reductions into one (``_traced_buckets``:
+[Note: a unit's gradients reduced together under compile]); other backends reduce each parameter on its own.
 """
 
 from __future__ import annotations
@@ -155,6 +155,20 @@ def _reduce_grad(grad: torch.Tensor, key: str, unit: str) -> torch.Tensor:
 def _(grad: torch.Tensor, key: str, unit: str) -> torch.Tensor:
     _, param, _ = _resolve(key)
     return grad.new_empty(param._layout.local_shape(), dtype=param.dtype)
+
+
+# The reductions of one unit, merged (``_traced_buckets``).
+@torch.library.custom_op("shardtensor::reduce_grads", mutates_args=())
+def _reduce_grads(grads: list[torch.Tensor], keys: str, owned: list[bool]) -> list[torch.Tensor]:
+    # (``keys``: the parameters' graph keys, one per line: an op's schema has no list of strings)
+    grad_sync, params, names = resolve_params(keys.split("\n"))
+    return grad_sync.reduce_compiled_together(params, names, list(grads), list(owned))
+
+
+@_reduce_grads.register_fake
+def _(grads: list[torch.Tensor], keys: str, owned: list[bool]) -> list[torch.Tensor]:
+    _, params, _ = resolve_params(keys.split("\n"))
+    return [g.new_empty(p._layout.local_shape(), dtype=p.dtype) for g, p in zip(grads, params)]
 
 
 @torch.library.custom_op("shardtensor::grad_boundary", mutates_args=())

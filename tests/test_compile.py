@@ -128,6 +128,33 @@ def test_compiled_untied_gpt_inductor_sequential():
     _check(run_on_ranks(2, compile_case, 2, "untied", "sequential", "inductor"))
 
 
+def merged_reductions_case(world: int) -> tuple:
+    """compile_case under inductor, overlapped, and the sizes of the reductions the compiled backward issued."""
+    from shardtensor.reduce import GradSync
+
+    sizes, real = [], GradSync.reduce_compiled_together
+
+    def counted(self, params, *args):
+        sizes.append(len(params))
+        return real(self, params, *args)
+
+    GradSync.reduce_compiled_together = counted
+    try:
+        return compile_case(world, "untied", "overlapped", "inductor"), sizes
+    finally:
+        GradSync.reduce_compiled_together = real
+
+
+def test_inductor_merges_each_units_gradient_reductions_and_trains_as_eager():
+    """Under inductor the post-grad pass merges a unit's reductions (see [Note: a unit's gradients reduced
+    together under compile]): the block's 12 gradients in one reduction, the root's 5 (two embeddings, final norm,
+    untied head) in another, per step; the numbers are eager's and the unsharded model's."""
+    for results, sizes in run_on_ranks(2, merged_reductions_case, 2):
+        _check([results])
+        steps = len(_batches(2))
+        assert sorted(sizes) == sorted([12, 5] * steps), sizes
+
+
 def compiled_collectives_per_step(world: int, layers: int, gather: str = "overlapped") -> tuple[int, int, int, int]:
     """(eager collectives, unit gathers, per-read gathers, reductions inside the compiled backward) of a warm
     compiled step, each collective behind one identity check.  Eager: the clipping norm's all-reduce.  The

@@ -3,8 +3,8 @@
 [Note: a unit's gradients reduced together under compile]
 Each trainable ShardedParam's gradient boundary puts a ``reduce_grad`` node into the compiled backward (see
 ``_traced_grads.py``), each a collective behind its own identity check: on the benchmark GPT, 52 reductions per
-step where the eager step issues one per unit (5), and each is a meeting of the ranks, whose waits add up (the
-compiled step spent 0.12 s of its 0.65 s in them).  The compiler cannot bucket an opaque op, so a post-grad pass
+step where the eager step issues one per unit (5), and each is a meeting of the ranks, whose waits add up (cProfile of
+warm compiled steps: 0.11 s of each in the reductions).  The compiler cannot bucket an opaque op, so a post-grad pass
 of ours does (registered with inductor's ``post_grad_custom_post_pass``, beside any pass of the user's): the
 ``reduce_grad`` nodes of one unit (the unit key rides in each node, so the graph, and with it every cache key,
 says which) become one ``reduce_grads`` node at the place of the unit's last one, whose kernel reduce-scatters
@@ -26,7 +26,6 @@ import operator
 from typing import Any, Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 _FORM = 1  # what the pass does (in its uuid: inductor's cache does not reuse a graph another form made)
 
@@ -73,24 +72,28 @@ def merge_unit_reductions(graph: torch.fx.Graph) -> int:
     return len(by_unit)
 
 
-class MergeUnitReductions(CustomGraphPass):
-    """``merge_unit_reductions`` as inductor's post-grad pass."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        merge_unit_reductions(graph)
-
-    def uuid(self) -> Optional[Any]:
-        return hashlib.sha256(f"shardtensor.merge_unit_reductions/{_FORM}".encode()).hexdigest()
-
-
-_PASS = MergeUnitReductions()
+_PASS: list = []  # the pass, built at the first install (importing inductor costs 1.5 s: not at import)
 
 
 def install() -> None:
-    """Add the pass to inductor's post-grad passes, once, beside any the user set (``shard_module``)."""
+    """Add the pass to inductor's post-grad passes, once, beside any the user set.  Called while AOTAutograd
+    traces a gradient boundary, before inductor runs any pass on that graph: a script that never compiles never
+    imports inductor for it."""
     import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
+    if not _PASS:
+        class MergeUnitReductions(CustomGraphPass):
+            """``merge_unit_reductions`` as inductor's post-grad pass."""
+
+            def __call__(self, graph: torch.fx.Graph) -> None:
+                merge_unit_reductions(graph)
+
+            def uuid(self) -> Optional[Any]:
+                return hashlib.sha256(f"shardtensor.merge_unit_reductions/{_FORM}".encode()).hexdigest()
+
+        _PASS.append(MergeUnitReductions())
     current = inductor_config.post_grad_custom_post_pass
     passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
-    if not any(isinstance(p, MergeUnitReductions) for p in passes):
-        inductor_config.post_grad_custom_post_pass = passes + [_PASS] if passes else _PASS
+    if not any(p is _PASS[0] for p in passes):
+        inductor_config.post_grad_custom_post_pass = passes + _PASS if passes else _PASS[0]

@@ -56,7 +56,6 @@ def record(param, grad_sync, name: str) -> None:
     grad_sync.compiled_params[name] = param
     _RECORDS[key] = (weakref.ref(grad_sync), name)
     _traced.record_grad_key(param._layout, key)  # (also in the graph's cache key: _traced.cache_fields)
-    _traced_buckets.install()
 
 
 key_of = _traced.grad_key_of
@@ -186,6 +185,8 @@ def _remember(ctx, inputs: tuple, output: Any) -> None:
     param = inputs[0]
     ctx.key, ctx.layout, ctx.name, ctx.device = key_of(param._layout), param._layout, param._name, param.device
     ctx.unit = _traced.unit_key_of(param._layout) or ""
+    if ctx.unit:
+        _traced_buckets.install()  # (before inductor compiles this backward)
 
 
 def _reduced(ctx, grad: torch.Tensor):

@@ -11,7 +11,9 @@ says which) become one ``reduce_grads`` node at the place of the unit's last one
 them all through the unit's shared memory as the eager unit reduction does.  The unit's whole gradients then
 live until its last one is computed, as in the eager overlapped step.
 
-The pass also marks which gradients nothing in the graph reads afterwards (their node's only user is the
+A tied parameter has one ``reduce_grad`` node per read (its head's and its embedding's parts): the pass adds
+the parts and reduces the sum once, and hands the other reads zeros (autograd adds every read's shard into the
+one gradient).  The pass also marks which gradients nothing in the graph reads afterwards (their node's only user is the
 reduction and the op that made them returns a fresh tensor): a large one of those is reduced in its own tensor
 ([Note: direct gradients]) rather than copied first.  A rank's graphs are its own, but every rank compiles the
 same graph to the same nodes; ranks that did not (a recompilation on one rank only) issue other collectives, and
@@ -27,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-_FORM = 1  # what the pass does (in its uuid: inductor's cache does not reuse a graph another form made)
+_FORM = 2  # what the pass does (in its uuid: inductor's cache does not reuse a graph another form made)
 
 
 def _read_nowhere_else(grad: torch.fx.Node) -> bool:
@@ -35,6 +37,18 @@ def _read_nowhere_else(grad: torch.fx.Node) -> bool:
     target = grad.target
     return (grad.op == "call_function" and len(grad.users) == 1 and isinstance(target, torch._ops.OpOverload)
             and not any(ret.alias_info is not None for ret in target._schema.returns))
+
+
+def _fake_result(fn, *args):
+    """``fn`` run on the fake values of the nodes ``args`` (a new node's ``meta["val"]``)."""
+    vals = [a.meta["val"] for a in args]
+    with torch._guards.detect_fake_mode(vals):
+        return fn(*vals)
+
+
+def _summable(parts: list[torch.fx.Node]) -> bool:
+    vals = [p.args[0].meta.get("val") for p in parts]
+    return all(isinstance(v, torch.Tensor) for v in vals) and len({(tuple(v.shape), v.dtype) for v in vals}) == 1
 
 
 def merge_unit_reductions(graph: torch.fx.Graph) -> int:
@@ -48,23 +62,37 @@ def merge_unit_reductions(graph: torch.fx.Graph) -> int:
     if not by_unit:
         return 0
     for unit, nodes in list(by_unit.items()):
-        keys = [n.args[1] for n in nodes]  # (a key twice: two reads of one parameter kept apart; reduced alone)
-        nodes = [n for n in nodes if keys.count(n.args[1]) == 1]
-        if not nodes:
+        parts: dict[str, list[torch.fx.Node]] = {}  # key -> its reductions (a tied parameter: one per read)
+        for node in nodes:
+            parts.setdefault(node.args[1], []).append(node)
+        keys = [key for key, ps in parts.items() if _summable(ps)]  # (others: reduced alone, as they came)
+        if not keys:
             del by_unit[unit]
             continue
-        grads = [n.args[0] for n in nodes]
-        keys = [n.args[1] for n in nodes]
-        owned = [_read_nowhere_else(g) for g in grads]
         with graph.inserting_before(nodes[-1]):
+            grads = []
+            for key in keys:  # the parts of a tied parameter's gradient summed, then reduced once
+                grad = parts[key][0].args[0]
+                for other in parts[key][1:]:
+                    grad = graph.call_function(torch.ops.aten.add.Tensor, (grad, other.args[0]))
+                    grad.meta["val"] = _fake_result(torch.add, *grad.args)
+                grads.append(grad)
+            owned = [_read_nowhere_else(g) for g in grads]
             merged = graph.call_function(torch.ops.shardtensor.reduce_grads.default, (grads, "\n".join(keys), owned))
-            merged.meta["val"] = [n.meta.get("val") for n in nodes]
-            for i, node in enumerate(nodes):
+            merged.meta["val"] = [parts[key][0].meta.get("val") for key in keys]
+            for i, key in enumerate(keys):
                 item = graph.call_function(operator.getitem, (merged, i))
-                item.meta.update(node.meta)
-                node.replace_all_uses_with(item)
-        for node in nodes:
-            graph.erase_node(node)
+                item.meta.update(parts[key][0].meta)
+                parts[key][0].replace_all_uses_with(item)
+                for other in parts[key][1:]:  # the sum is in the first part's shard; autograd adds these
+                    val = item.meta["val"]
+                    zeros = graph.call_function(torch.ops.aten.full.default, (list(val.shape), 0.0),
+                                                {"dtype": val.dtype, "device": val.device, "pin_memory": False})
+                    zeros.meta["val"] = _fake_result(torch.zeros_like, item)
+                    other.replace_all_uses_with(zeros)
+        for key in keys:
+            for node in parts[key]:
+                graph.erase_node(node)
     # (a use of an earlier reduction may now come before the merged node: move it after)
     from torch._inductor.pattern_matcher import stable_topological_sort
 

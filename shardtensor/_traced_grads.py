@@ -16,10 +16,14 @@ AOTAutograd flattens the gradient to the shard, so the backward graph outputs sh
 freed where it was reduced, and the eager gradient hook takes the arriving ShardedParam as it is (as it takes
 any gradient computed shard-wise).
 
-A parameter read twice (tied embeddings) gets one boundary node per read.  The compiler may merge the two (they
-read the same graph input: one reduction of the summed gradient; ``tests/test_compile.py`` counts one per sharded
-parameter) or keep both (two reductions, whose shards autograd adds shard-wise; with ``gradient_sync`` off, both
-parts go into the one deferred sum: ``DeferredGradients._defer``).
+A parameter read twice (tied embeddings) gets one boundary node per read: ``shard_module`` gives the second
+module that holds it (the head) the property too.  Without it the head's part of the gradient left the graph
+whole, autograd added it to the reduced part by gathering that back (a traced add of a ShardedParam and a full
+tensor), and the eager hook reduced the sum again: an all-gather, a second reduce-scatter and a whole gradient
+per step.  Now the two reduced parts are shards of one layout, which autograd adds shard-wise (the local rule
+runs on traced shards when every operand is one); under inductor the merge pass sums the parts before the one
+reduction ([Note: a unit's gradients reduced together under compile]).  With ``gradient_sync`` off, both parts
+go into the one deferred sum (``DeferredGradients._defer``).
 
 What the kernel does is the hook's synchronous path (``GradSync.reduce_compiled``): the reducer in the
 parameter's ``reduce_dtype``, ``gradient_sync(model, False)``'s deferral, the deferred sum folded into the next

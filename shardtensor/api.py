@@ -153,6 +153,7 @@ def shard_module(
     names: dict[str, ShardedParam] = {}
     handles = []
     owners: list = []  # (module, attribute, parameter), checked at every root forward
+    tied_reads: list = []  # (module, attribute, parameter) of a second name of a tied parameter
     for module_name, submodule in module.named_modules(remove_duplicate=False):
         for name, param in list(submodule._parameters.items()):
             if param is None:
@@ -160,6 +161,7 @@ def shard_module(
             fqn = f"{module_name}.{name}" if module_name else name
             if id(param) in replaced:  # tied: the same Parameter object stays one ShardedParam
                 submodule._parameters[name] = replaced[id(param)]
+                tied_reads.append((submodule, name, replaced[id(param)]))
                 continue
             new = _shard_parameter(param, fqn, group, gatherer, grad_sync, handles, layouts.get(id(param)),
                                    persist_numel)
@@ -171,7 +173,7 @@ def shard_module(
             owners.append((submodule, name, new))
 
     reads: dict[int, tuple] = {}  # see [Note: a gradient reduced inside the compiled backward]
-    for submodule, name, param in owners:
+    for submodule, name, param in owners + tied_reads:  # (a tied head's read too: its gradient reduced, not gathered)
         if isinstance(param, ShardedParam):
             reads.setdefault(id(submodule), (submodule, []))[1].append(name)
     for submodule, sharded in reads.values():

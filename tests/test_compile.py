@@ -128,7 +128,7 @@ def test_compiled_untied_gpt_inductor_sequential():
     _check(run_on_ranks(2, compile_case, 2, "untied", "sequential", "inductor"))
 
 
-def merged_reductions_case(world: int) -> tuple:
+def merged_reductions_case(world: int, build: str) -> tuple:
     """compile_case under inductor, overlapped, and the sizes of the reductions the compiled backward issued."""
     from shardtensor.reduce import GradSync
 
@@ -140,19 +140,21 @@ def merged_reductions_case(world: int) -> tuple:
 
     GradSync.reduce_compiled_together = counted
     try:
-        return compile_case(world, "untied", "overlapped", "inductor"), sizes
+        return compile_case(world, build, "overlapped", "inductor"), sizes
     finally:
         GradSync.reduce_compiled_together = real
 
 
-def test_inductor_merges_each_units_gradient_reductions_and_trains_as_eager():
+@pytest.mark.parametrize("build,root", [("untied", 5), ("tied", 4)])
+def test_inductor_merges_each_units_gradient_reductions_and_trains_as_eager(build, root):
     """Under inductor the post-grad pass merges a unit's reductions (see [Note: a unit's gradients reduced
-    together under compile]): the block's 12 gradients in one reduction, the root's 5 (two embeddings, final norm,
-    untied head) in another, per step; the numbers are eager's and the unsharded model's."""
-    for results, sizes in run_on_ranks(2, merged_reductions_case, 2):
+    together under compile]): the block's 12 gradients in one reduction, the root's in another, per step: two
+    embeddings, final norm and the untied head (5), or, tied, the embedding's two parts (its read by the head and
+    by the embedding) summed into one gradient (4); the numbers are eager's and the unsharded model's."""
+    for results, sizes in run_on_ranks(2, merged_reductions_case, 2, build):
         _check([results])
         steps = len(_batches(2))
-        assert sorted(sizes) == sorted([12, 5] * steps), sizes
+        assert sorted(sizes) == sorted([12, root] * steps), sizes
 
 
 def compiled_collectives_per_step(world: int, layers: int, gather: str = "overlapped") -> tuple[int, int, int, int]:
@@ -208,13 +210,11 @@ def test_compiled_step_gathers_each_unit_once_per_phase_and_reduces_each_gradien
     (one, one_units, one_reads, one_reduced), (three, three_units, three_reads, three_reduced) = (
         run_on_ranks(2, compiled_collectives_per_step, 2, layers)[0] for layers in (1, 3))
     assert one == three <= 2, (one, three)  # (the clipping norm)
-    # (one read on its own: the tied head's weight in the backward, whose shard there AOTAutograd rebuilt from
-    # the one its unit recorded: gathered alone, see [Note: unit gathers under compile])
-    assert one_reads == three_reads <= 1, (one_reads, three_reads)
+    assert one_reads == three_reads == 0, (one_reads, three_reads)  # (the tied head's gradient too: shard-wise)
     assert three_units - one_units == 4 and one_units == 4, (one_units, three_units)  # (the root unit: 2 more)
-    # one per sharded parameter: a block's 12, the root's 4 (the tied embedding, read twice: its two boundary
-    # nodes are merged in this graph, see [Note: a gradient reduced inside the compiled backward])
-    assert three_reduced - one_reduced == 24 and one_reduced == 12 + 4, (one_reduced, three_reduced)
+    # one per sharded parameter read: a block's 12, the root's 4 and the tied embedding's second read (the head),
+    # whose two reduced parts autograd adds shard-wise (see [Note: a gradient reduced inside the compiled backward])
+    assert three_reduced - one_reduced == 24 and one_reduced == 12 + 5, (one_reduced, three_reduced)
 
 
 def test_compiled_sequential_mode_gathers_per_read_and_again_in_the_backward():

@@ -141,9 +141,12 @@ def _local(func, args, kwargs):
                     and recipes.reads_held_expert_parameter(args) and not recipes.remember(out, func, args, kwargs):
                 return compute(func, args, kwargs)  # see [Note: reads of a parameter its unit holds] in recipes.py
             return out
-    if traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
-        return traced.run_traced(func, args, kwargs, _local)
     params = _params_in(args, kwargs)
+    if traced.is_traced(args):  # torch.compile: see [Note: the traced path] in _traced.py
+        if params and _localizable(params) and _plain_tensors_ok(_leaves(args, kwargs), False) \
+                and not _written_params(func, args, kwargs):  # shards alone (two parts of a tied gradient)
+            return _wrap_like(params[0], func(*_map_args(_to_local, args), **_map_kwargs(_to_local, kwargs)))
+        return traced.run_traced(func, args, kwargs, _local)
     written_params = _written_params(func, args, kwargs)
     writes_shard = bool(written_params)
     # A 0-d tensor operand is the same on every rank in an optimizer step, but not inside a backward: there it

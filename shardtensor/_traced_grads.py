@@ -54,12 +54,18 @@ def record(param, grad_sync, name: str) -> None:
     number = _GRAD_SYNCS.get(grad_sync)
     if number is None:  # (a count, not len(_GRAD_SYNCS): the table shrinks as models go, and a number came back)
         number = _GRAD_SYNCS[grad_sync] = next(_grad_sync_numbers)
+        weakref.finalize(grad_sync, _forget_records, f"{number}/")  # (a process that shards many models)
     key = f"{number}/{name}"
     # The GradSync holds the parameter (as its hooks do); no weakref to it, which would stop
     # torch.utils.swap_tensors (``module.to_empty``, ``_apply``) from swapping it.
     grad_sync.compiled_params[name] = param
     _RECORDS[key] = (weakref.ref(grad_sync), name)
     _traced.record_grad_key(param._layout, key)  # (also in the graph's cache key: _traced.cache_fields)
+
+
+def _forget_records(prefix: str) -> None:
+    for key in [k for k in _RECORDS if k.startswith(prefix)]:
+        del _RECORDS[key]
 
 
 key_of = _traced.grad_key_of

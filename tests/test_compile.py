@@ -265,18 +265,21 @@ def graph_keys_case() -> list:
     from shardtensor import _traced_grads
 
     models = [shardtensor.shard_module(nn.Linear(4, 4)) for _ in range(2)]
+    dropped = _traced_grads.key_of(models[0].weight._layout)
     del models[0]
     gc.collect()
     models.append(shardtensor.shard_module(nn.Linear(4, 4)))
-    return [_traced_grads.key_of(m.weight._layout) for m in models]
+    live = [_traced_grads.key_of(m.weight._layout) for m in models]
+    return live, dropped in _traced_grads._RECORDS, all(k in _traced_grads._RECORDS for k in live)
 
 
 def test_graph_keys_of_gradients_are_never_given_twice():
     # A key numbered by the live models came back once one was gone: a compiled backward reduced "12/head.bias"
     # of another model, or (where the ranks' garbage collection differed) raised on one rank while the other
-    # waited in the collective.
-    for keys in run_on_ranks(2, graph_keys_case):
+    # waited in the collective.  A dropped model's keys leave the table (a process sharding many models).
+    for keys, dropped_kept, live_kept in run_on_ranks(2, graph_keys_case):
         assert None not in keys and len(set(keys)) == 2, keys
+        assert not dropped_kept and live_kept
 
 
 def mixed_precision_case(world: int) -> tuple:

@@ -20,11 +20,14 @@ identity-keyed buffers, blocking gloo collectives), so the dispatcher sends ever
 Autograd's formulas see plain tensors, so they give a parameter's gradient whole; the compiled backward
 reduce-scatters it where it is complete, one node per parameter, and outputs this rank's shard (see [Note: a
 gradient reduced inside the compiled backward] in ``_traced_grads.py``), which the eager gradient hook takes as
-it is.  Local ops (shard-wise pointwise ops, the optimizer step) are not traced by ``torch.compile(model)``; a
-compiled function that runs them on real shards takes the eager rules.
+it is.  A pointwise op whose tensor operands are all ShardedParams of one layout runs on the traced shards, as in
+eager (autograd adding the two reduced parts of a tied parameter's gradient); with a plain tensor beside them it
+gathers, since that tensor may differ between ranks.  The optimizer step is not traced by
+``torch.compile(model)``; a compiled function that runs it on real shards takes the eager rules.
 
 The eager forward hooks (the step hook, gather units) stand aside while Dynamo traces; a gather unit is
-gathered by one node per phase (below), its gradients are reduced one by one.
+gathered by one node per phase (below), its gradients are reduced one node each (merged into one per unit
+under inductor: ``_traced_buckets.py``).
 Mixed precision: the traced gather casts the shard to ``param_dtype`` before the collective, as the Gatherer
 does, and the step hook casts the root's floating inputs (both traced).
 

@@ -11,15 +11,25 @@ from ._full import gather_full
 from .tensor import ShardedParam
 
 
+def _uncompiled(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper wraps (``OptimizedModule``, whose own keys start ``_orig_mod.``): the
+    full state dict of a compiled model has the unsharded model's keys, as DCP's ``get_model_state_dict`` gives."""
+    while type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        module = module._orig_mod
+    return module
+
+
 @torch.no_grad()
 def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Plain full tensors with the keys of the unsharded ``module.state_dict()``.  Gathers one tensor at a time.
+    """Plain full tensors with the keys of the unsharded ``module.state_dict()`` (of the model a ``torch.compile``
+    wrapper wraps).  Gathers one tensor at a time.
 
     Args:
         rank0_only: only rank 0 of the module's group keeps the tensors (a single-file ``torch.save``); the
             other ranks take part in the gathers, hold one full tensor at a time, and get ``{}``.
             (Default: ``False``: every rank gets the full state dict.)
     """
+    module = _uncompiled(module)
     keep = not rank0_only or _comm.rank(getattr(getattr(module, "_shardtensor", None), "group", None)) == 0
     out = {}
     for key, value in module.state_dict().items():
@@ -41,6 +51,7 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
     float64 or integer tensor silently; a checkpoint of another dtype is more often the wrong file than a wish).
     The verdicts are agreed (one flag all-reduce): a file bad on one rank only is refused on every rank.
     """
+    module = _uncompiled(module)
     error = _full_state_dict_error(module.state_dict(), state_dict, strict)
     group = getattr(getattr(module, "_shardtensor", None), "group", None)
     if _agreement.any_rank(bool(error), group, "load_full_state_dict: the ranks' verdicts") and not error:

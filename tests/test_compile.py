@@ -282,6 +282,25 @@ def test_graph_keys_of_gradients_are_never_given_twice():
         assert not dropped_kept and live_kept
 
 
+def compiled_wrapper_state_case() -> tuple:
+    """The full state dict of ``torch.compile(sharded)`` (an ``OptimizedModule``, whose own keys start
+    ``_orig_mod.``), and a load of an unsharded state dict through it."""
+    torch.manual_seed(0)
+    plain = _gpt(tied=False)
+    wrapper = torch.compile(shardtensor.shard_module(copy.deepcopy(plain)), backend="aot_eager")
+    for p in plain.parameters():
+        p.data.add_(1.0)
+    keys = sorted(shardtensor.full_state_dict(wrapper))
+    shardtensor.load_full_state_dict(wrapper, plain.state_dict())
+    back = shardtensor.full_state_dict(wrapper)
+    return keys, sorted(plain.state_dict()), all(torch.equal(back[k], v) for k, v in plain.state_dict().items())
+
+
+def test_full_state_dict_of_a_compiled_wrapper_has_the_models_keys():
+    for keys, plain_keys, loaded in run_on_ranks(2, compiled_wrapper_state_case):
+        assert keys == plain_keys and loaded
+
+
 def mixed_precision_case(world: int) -> tuple:
     """bf16 compute (param_dtype): the traced gather casts before the collective as the eager Gatherer does."""
     import torch._dynamo

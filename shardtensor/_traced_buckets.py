@@ -13,11 +13,11 @@ live until its last one is computed, as in the eager overlapped step.
 
 A tied parameter has one ``reduce_grad`` node per read (its head's and its embedding's parts): the pass adds
 the parts and reduces the sum once, and hands the other reads zeros (autograd adds every read's shard into the
-one gradient).  The pass also marks which gradients nothing in the graph reads afterwards (their node's only user is the
-reduction and the op that made them returns a fresh tensor): a large one of those is reduced in its own tensor
-([Note: direct gradients]) rather than copied first.  A rank's graphs are its own, but every rank compiles the
-same graph to the same nodes; ranks that did not (a recompilation on one rank only) issue other collectives, and
-the identity check before each names it.  Other backends (``aot_eager``) run no inductor pass and reduce per
+one gradient).  The pass also marks which gradients nothing in the graph reads afterwards (their node's only
+user is the reduction and the op that made them returns a fresh tensor): a large one of those is reduced in its
+own tensor ([Note: direct gradients]) rather than copied first.  A rank's graphs are its own, but every rank
+compiles the same graph to the same nodes; ranks that did not (a recompilation on one rank only) issue other
+collectives, and the identity check before each names it.  Other backends (``aot_eager``) run no inductor pass and reduce per
 parameter: the same numbers, more collectives.
 """
 

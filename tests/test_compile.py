@@ -282,6 +282,35 @@ def test_graph_keys_of_gradients_are_never_given_twice():
         assert not dropped_kept and live_kept
 
 
+def compile_order_case(world: int, order: str) -> tuple:
+    """Sharding where the user compiled first: ``shard_module(torch.compile(model))``, or a model whose unsharded
+    compiled graphs already ran (Dynamo must trace again, over the sharded parameters)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, batches = _gpt(True), _batches(world)
+    plain = copy.deepcopy(model)
+    reference = _train(plain, plain, batches, sharded=False)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    if order == "compiled, then sharded":
+        shardtensor.shard_module(run)
+        result = _train(run, run, batches, sharded=True)
+    else:
+        _loss(run, batches[0][0]).backward()  # the unsharded model's graphs exist
+        model.zero_grad(set_to_none=True)
+        shardtensor.shard_module(model)
+        result = _train(model, run, batches, sharded=True)
+    return result, reference, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("order", ["compiled, then sharded", "run compiled unsharded, then sharded"])
+def test_sharding_a_model_compiled_before_trains_as_the_unsharded_one(order):
+    for result, reference, breaks in run_on_ranks(2, compile_order_case, 2, order):
+        assert breaks == 0
+        _assert_same(result, reference, 1e-4)
+
+
 def compiled_wrapper_state_case() -> tuple:
     """The full state dict of ``torch.compile(sharded)`` (an ``OptimizedModule``, whose own keys start
     ``_orig_mod.``), and a load of an unsharded state dict through it."""

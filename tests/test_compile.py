@@ -311,6 +311,47 @@ def test_sharding_a_model_compiled_before_trains_as_the_unsharded_one(order):
         _assert_same(result, reference, 1e-4)
 
 
+class _CheckpointedGPT(nn.Module):
+    """The GPT with each block under non-reentrant activation checkpointing (its forward runs again in the
+    backward, so a unit's forward gathers are traced a second time inside the backward graph)."""
+
+    def __init__(self, gpt: nn.Module):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1]))
+        for block in g.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return g.lm_head(g.ln_f(x))
+
+
+def checkpointed_case(world: int, gather: str) -> tuple:
+    """compile_case's three trainings of the checkpointed GPT (aot_eager)."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = _CheckpointedGPT(GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=16)))
+    batches = _batches(world)
+    plain = copy.deepcopy(model)
+    reference = _train(plain, plain, batches, sharded=False)
+    eager = shardtensor.shard_module(copy.deepcopy(model), gather=gather)
+    eager_result = _train(eager, eager, batches, sharded=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    sharded = shardtensor.shard_module(model, gather=gather)
+    result = _train(sharded, torch.compile(sharded, backend="aot_eager", fullgraph=True), batches, sharded=True)
+    return result, eager_result, reference, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("gather", ["overlapped", "sequential"])
+def test_compiled_activation_checkpointing_equals_eager_and_unsharded(gather):
+    _check(run_on_ranks(2, checkpointed_case, 2, gather))
+
+
 def compiled_wrapper_state_case() -> tuple:
     """The full state dict of ``torch.compile(sharded)`` (an ``OptimizedModule``, whose own keys start
     ``_orig_mod.``), and a load of an unsharded state dict through it."""

@@ -27,6 +27,12 @@ class ShardLayout:
     world: int
     group: Any = None  # ProcessGroup or None (the default group); compared by identity
 
+    def __deepcopy__(self, memo: dict) -> "ShardLayout":
+        """Itself: a layout is immutable, and its ProcessGroup cannot be copied (Dynamo's guards deepcopy a traced
+        ShardedParam's flatten context, which holds the layout: a model sharded over a subgroup failed to
+        compile with "cannot pickle 'ProcessGroup' object")."""
+        return self
+
     @staticmethod
     def for_shape(shape: torch.Size, group=None) -> "ShardLayout":
         world = _comm.world_size(group)

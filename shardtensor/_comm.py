@@ -10,12 +10,10 @@ All functions accept ``group=None`` (the default group) and work without a proce
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import pickle
-from contextvars import ContextVar
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -61,8 +59,9 @@ def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
 # ``Work.wait`` would block the CPU until the kernel ends and kill the overlap of communication with compute,
 # so there the wait stays stream-ordered and the limit is NCCL's watchdog (``init_process_group(timeout=...)``).
 _timeout_s: float = float(os.environ.get("SHARDTENSOR_COLLECTIVE_TIMEOUT", "600"))
-_label: ContextVar[str] = ContextVar("shardtensor_collective_label", default="")
 
+from ._comm_labels import (  # noqa: E402,F401 (re-exported)
+    compiled_graph, current_label, inputs_may_be_overwritten, inputs_overwritable, labelled)
 from ._comm_work import (  # noqa: E402,F401 (re-exported)
     _WIRE_DTYPE, CollectiveError, CollectiveResult, _CopyOnWait, _dense, _DoneWork, _reducible, _rows_alias, _WorkList,
     keep_past_exit, track_in_flight)
@@ -74,7 +73,7 @@ from . import _comm_stall as _stall  # noqa: E402
 def _check(kind: str, tensor: torch.Tensor, group, label: str, vote: bool | None = None):
     """Before every data collective: the group's sequence number, after the cross-rank identity check
     (see [Note: the identity check] in ``_comm_divergence``); with a ``vote``, also whether every rank voted yes."""
-    seq, all_yes = _div.check_identity(kind, tensor, group, label or _label.get(), _identity_all_gather, bool(vote))
+    seq, all_yes = _div.check_identity(kind, tensor, group, current_label(label), _identity_all_gather, bool(vote))
     return seq if vote is None else (seq, all_yes)
 
 
@@ -96,16 +95,6 @@ def set_collective_timeout(seconds: float) -> float:
 def collective_timeout() -> float:
     """The current limit in seconds (see ``set_collective_timeout``)."""
     return _timeout_s
-
-
-@contextlib.contextmanager
-def labelled(text: str) -> Iterator[None]:
-    """Name the collectives issued inside (``"all-gather of 'fc.weight'"``) for the errors they may raise."""
-    token = _label.set(text)
-    try:
-        yield
-    finally:
-        _label.reset(token)
 
 
 def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str, seq: int) -> None:
@@ -144,7 +133,7 @@ class _TimedWork:
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
         self.group = group
-        self.label = label or _label.get()
+        self.label = current_label(label)
         self.seq = seq  # this group's collective count: the same on every rank of one program
         self.cpu = tensor.device.type == "cpu"
 
@@ -193,28 +182,6 @@ def _issued(work, kind: str, tensor: torch.Tensor, group, async_op: bool, label:
         return timed
     timed.wait()
     return _DoneWork()
-
-
-_overwritable: ContextVar[bool] = ContextVar("shardtensor_overwritable_inputs", default=False)
-
-
-@contextlib.contextmanager
-def inputs_may_be_overwritten(allowed: bool = True) -> Iterator[None]:
-    """Let the reduce-scatters issued inside use their input as scratch (the caller owns it and drops it after).
-
-    gloo's in-place ``reduce`` leaves partial sums in the rows it does not deliver; only a caller that holds the
-    sole reference to the input (a gradient autograd hands over and nobody else holds) may allow that.
-    """
-    token = _overwritable.set(allowed)
-    try:
-        yield
-    finally:
-        _overwritable.reset(token)
-
-
-def inputs_overwritable() -> bool:
-    """Whether the caller's ``inputs_may_be_overwritten()`` lets collectives use their input as scratch."""
-    return _overwritable.get()
 
 
 # [Note: gloo's tensor collectives copy]
@@ -287,7 +254,7 @@ def reduce_scatter_rows(full: torch.Tensor, group: ProcessGroup = None, *, async
     if full.shape[0] % world:
         raise AssertionError(f"reduce_scatter_rows needs rows divisible by the world: {full.shape=} {world=}")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=full.dtype, device=full.device)
-    by_reduces = _overwritable.get() and on_gloo_cpu(full.device, group)
+    by_reduces = inputs_overwritable() and on_gloo_cpu(full.device, group)
     kind = "reduce-scatter (reduces)" if by_reduces else "reduce-scatter"
     seq = _check(kind, full, group, label)
     if by_reduces:  # see [Note: gloo's tensor collectives copy]

@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ._comm_divergence import _FIX, DivergenceError, _Position, _positions, _store, positive_seconds
+from ._comm_divergence import DivergenceError, _Position, _positions, _store, positive_seconds
+from ._comm_fixes import _FIX
 
 log = logging.getLogger("shardtensor")
 

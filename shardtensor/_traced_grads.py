@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import _traced, _traced_buckets
+from . import _comm, _traced, _traced_buckets
 from ._dispatch import implements, views
 from .tensor import ShardedParam
 
@@ -157,7 +157,8 @@ def resolve_params(keys: list[str]) -> tuple:
 def _reduce_grad(grad: torch.Tensor, key: str, unit: str) -> torch.Tensor:
     # (``unit``: the gather unit's key, or "": read only by the pass that merges a unit's reductions)
     grad_sync, param, name = _resolve(key)
-    return grad_sync.reduce_compiled(param, name, grad)
+    with _comm.compiled_graph():
+        return grad_sync.reduce_compiled(param, name, grad)
 
 
 @_reduce_grad.register_fake
@@ -171,7 +172,8 @@ def _(grad: torch.Tensor, key: str, unit: str) -> torch.Tensor:
 def _reduce_grads(grads: list[torch.Tensor], keys: str, owned: list[bool]) -> list[torch.Tensor]:
     # (``keys``: the parameters' graph keys, one per line: an op's schema has no list of strings)
     grad_sync, params, names = resolve_params(keys.split("\n"))
-    return grad_sync.reduce_compiled_together(params, names, list(grads), list(owned))
+    with _comm.compiled_graph():
+        return grad_sync.reduce_compiled_together(params, names, list(grads), list(owned))
 
 
 @_reduce_grads.register_fake

@@ -552,3 +552,25 @@ def compiled_divergence_case() -> str:
 def test_ranks_diverging_inside_compiled_code_are_named():
     for message in run_on_ranks(2, compiled_divergence_case, timeout=120):
         assert "diverged" in message and "(compiled)" in message, message
+        assert "compile the model on every rank" not in message  # (both ranks run compiled code here)
+
+
+def compiled_on_one_rank_case() -> str:
+    """``torch.compile`` under ``if rank == 0:``: rank 0's step is the compiled graph's, rank 1's the eager one."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=2, n_embd=16)))
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if dist.get_rank() == 0 else model
+    try:
+        for idx in _batches(2)[0]:
+            _loss(run, idx).backward()
+    except shardtensor.DivergenceError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_model_compiled_on_one_rank_only_is_named_with_the_fix():
+    for message in run_on_ranks(2, compiled_on_one_rank_case, timeout=120):
+        assert "diverged" in message and "compile the model on every rank" in message, message

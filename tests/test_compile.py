@@ -81,7 +81,8 @@ def compile_case(world: int, build: str, gather: str, backend: str) -> tuple:
     """(compiled sharded, eager sharded, unsharded) training results and the graph-break count."""
     import torch._dynamo
 
-    model = {"tied": lambda: _gpt(True), "untied": lambda: _gpt(False), "gpt2": _gpt2}[build]()
+    model = {"tied": lambda: _gpt(True), "untied": lambda: _gpt(False), "gpt2": _gpt2,
+             "checkpointed": _checkpointed_gpt}[build]()
     batches = _batches(world)
     plain = copy.deepcopy(model)
     reference = _train(plain, plain, batches, sharded=False)
@@ -330,27 +331,14 @@ class _CheckpointedGPT(nn.Module):
         return g.lm_head(g.ln_f(x))
 
 
-def checkpointed_case(world: int, gather: str) -> tuple:
-    """compile_case's three trainings of the checkpointed GPT (aot_eager)."""
-    import torch._dynamo
-
+def _checkpointed_gpt() -> nn.Module:
     torch.manual_seed(0)
-    model = _CheckpointedGPT(GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=16)))
-    batches = _batches(world)
-    plain = copy.deepcopy(model)
-    reference = _train(plain, plain, batches, sharded=False)
-    eager = shardtensor.shard_module(copy.deepcopy(model), gather=gather)
-    eager_result = _train(eager, eager, batches, sharded=True)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    sharded = shardtensor.shard_module(model, gather=gather)
-    result = _train(sharded, torch.compile(sharded, backend="aot_eager", fullgraph=True), batches, sharded=True)
-    return result, eager_result, reference, sum(torch._dynamo.utils.counters["graph_break"].values())
+    return _CheckpointedGPT(GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=16)))
 
 
 @pytest.mark.parametrize("gather", ["overlapped", "sequential"])
 def test_compiled_activation_checkpointing_equals_eager_and_unsharded(gather):
-    _check(run_on_ranks(2, checkpointed_case, 2, gather))
+    _check(run_on_ranks(2, compile_case, 2, "checkpointed", gather, "aot_eager"))
 
 
 def subgroup_case(world: int) -> tuple:

@@ -12,15 +12,7 @@ identity-keyed buffers, blocking gloo collectives), so the dispatcher sends ever
     under compile]; the parameter alone in sequential mode, see [Note: a traced gather by broadcasts] in
     _comm_traced.py; elsewhere a functional all-gather, ``torch.distributed._functional_collectives``), cuts the
     padding rows, replays the views and runs the op on plain tensors.  The collective is a node of the graph,
-    placed where its op reads it ([Note: the root unit under compile]
-The root unit (the parameters of the module ``shard_module`` was given that no block holds: a GPT's embeddings,
-final norm and head) is read at the forward's end (the head) and again at the backward's start (the head's
-``grad @ W``), with only the loss between.  Its backward reads take the forward's gathered tensors (one phase
-for both), as eager keeps the root's forward hold for its backward and FSDP2 does not reshard the root after
-the forward: the compiler saves what the backward reads (the head's weight, alive at the forward's end anyway)
-and the backward gathers no root unit: 6.5 MB less through the collective per step on the benchmark GPT.
-
-[Note: a gather where it is read]).  Autograd saves the *view* (a ShardedParam
+    placed where its op reads it ([Note: a gather where it is read]).  Autograd saves the *view* (a ShardedParam
     over the shard), never the gathered tensor, so the backward graph gathers again where autograd's formulas
     read the parameter (``grad @ W``), as eager does: in sequential mode a 1-block GPT's graphs hold 17 gathers
     forward and 11 backward, and no full weight lives from forward to backward.
@@ -55,6 +47,16 @@ compiler from merging the backward's gather into the forward's (which would keep
 them).  Where the recorded shards are not this trace's (Dynamo's own shape propagation, before AOTAutograd), or
 outside gloo CPU groups, the per-read gather stays.  In-place writes into parameters are refused inside
 compiled code (``_dispatch/traced.py``), so a unit's gathered values cannot go stale within one graph.
+
+[Note: the root unit under compile]
+The root unit (the parameters of the module ``shard_module`` was given that no block holds: a GPT's embeddings,
+final norm and head) is read at the forward's end (the head) and again at the backward's start (the head's
+``grad @ W``), with only the loss between.  Its backward reads take the forward's gathered tensors (one phase
+for both), as eager keeps the root's forward hold for its backward and FSDP2 does not reshard the root after
+the forward: the compiler saves what the backward reads (the head's weight, alive at the forward's end anyway)
+and the backward gathers no root unit: 6.5 MB less through the collective per step on the benchmark GPT.
+(A root parameter read in the middle of the forward that the backward reads too is kept from the forward
+on; a model with a large one should give it a unit of its own.)
 
 [Note: a gather where it is read]
 A gather node reads only graph inputs (the shards), so nothing stops the compiler from running it first: inductor

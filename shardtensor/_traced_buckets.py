@@ -17,8 +17,8 @@ one gradient).  The pass also marks which gradients nothing in the graph reads a
 user is the reduction and the op that made them returns a fresh tensor): a large one of those is reduced in its
 own tensor ([Note: direct gradients]) rather than copied first.  A rank's graphs are its own, but every rank
 compiles the same graph to the same nodes; ranks that did not (a recompilation on one rank only) issue other
-collectives, and the identity check before each names it.  Other backends (``aot_eager``) run no inductor pass and reduce per
-parameter: the same numbers, more collectives.
+collectives, and the identity check before each names it.  Other backends (``aot_eager``) run no inductor pass
+and reduce per parameter: the same numbers, more collectives.
 """
 
 from __future__ import annotations

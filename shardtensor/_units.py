@@ -324,5 +324,5 @@ def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_s
     grad_sync.units = units
     if gatherer.mode is not GatherMode.SEQUENTIAL:
         units.open_channel()
-        _traced.record_units(units.units, units.root_unit)  # under compile too: a gather per unit (sequential: per read)
+        _traced.record_units(units.units, units.root_unit)  # under compile too (sequential: a gather per read)
     return units

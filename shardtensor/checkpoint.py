@@ -39,7 +39,15 @@ from torch.utils._pytree import tree_map_only
 
 from . import _comm
 from .checkpoint_files import CheckpointError
-from .checkpoint_match import _MODEL, _OPTIM, check_against_metadata, check_param_groups, leave_out_what_was_never_saved
+from .checkpoint_match import (
+    _MODEL,
+    _OPTIM,
+    check_against_metadata,
+    check_param_groups,
+    hold_back_unsaved_settings,
+    leave_out_what_was_never_saved,
+    put_back_settings,
+)
 from .checkpoint_verify import file_records, read_metadata_unverified, verify, write_sidecar
 from .tensor import ShardedParam
 
@@ -203,8 +211,20 @@ def _dcp(call, what: str, path) -> None:
     try:
         call()
     except (CheckpointException, Exception) as exc:  # noqa: BLE001
-        raise CheckpointError(f"{path}: torch.distributed.checkpoint.{what} failed: {type(exc).__name__}: "
-                              f"{str(exc)[:500]}") from exc
+        raise CheckpointError(f"{path}: torch.distributed.checkpoint.{what} failed: {_causes(exc)}") from exc
+
+
+def _causes(exc: BaseException) -> str:
+    """Each rank's own error: a ``CheckpointException``'s text is every rank's traceback, whose first lines
+    (all a message could show) named DCP's frames, not the key it missed."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(exc).__name__}: {str(exc)[:500]}"
+    texts: dict = {}
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        texts.setdefault(f"{type(cause).__name__}: {str(cause)[:300]}", []).append(str(rank))
+    return " | ".join(f"{text} (rank {', '.join(ranks)})" for text, ranks in texts.items())
 
 
 def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -230,7 +250,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
         except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
             error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
         _check_replicated(optimizer, state.get(_OPTIM, {}), error, group)
-    _dcp(lambda: dcp.save(state, checkpoint_id=os.fspath(path)), "save", path)
+    _dcp(lambda: dcp.save(state, checkpoint_id=os.fspath(path), process_group=group), "save", path)
     rank, world = _comm.rank(group), _comm.world_size(group)
     try:
         mine = file_records(directory, read_metadata_unverified(directory), rank, world)  # each file hashed once
@@ -268,7 +288,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
     group, directory = _group(module), Path(path)
     _same_path_on_every_rank(path, group, "load_checkpoint")
     fresh = optimizer is not None and not optimizer.state
-    error, metadata = "", None
+    error, metadata, held = "", None, []
     try:  # the files first, agreed by every rank before any rank makes optimizer state (a step, on some ranks)
         metadata = verify(directory, _comm.rank(group), _comm.world_size(group)) if verify_checksums \
             else read_metadata_unverified(directory, files_present=True)
@@ -282,6 +302,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
             state[_OPTIM], wrapped = _present_shards(optimizer,
                                                      _optimizer_state_dict(module, optimizer, to_load_into=True))
             check_param_groups(metadata, optimizer, state[_OPTIM], path)
+            held = hold_back_unsaved_settings(metadata, state)
         leave_out_what_was_never_saved(metadata, state, strict)
         check_against_metadata(metadata, state, strict)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the verdict exchange
@@ -292,7 +313,13 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
         if fresh:
             optimizer.state.clear()  # the zero state made to load into: the optimizer is as it was
         raise
-    _dcp(lambda: dcp.load(state, checkpoint_id=os.fspath(path)), "load", path)
+    try:
+        _dcp(lambda: dcp.load(state, checkpoint_id=os.fspath(path), process_group=group), "load", path)
+    except CheckpointError:
+        if fresh:
+            optimizer.state.clear()
+        raise
+    put_back_settings(held)
     # The tensors were loaded in place; these put back what DCP replaced instead (non-tensor values, the optimizer's
     # hyper-parameters).  Not strict for the optimizer: a parameter that never had a gradient has no state, in
     # the checkpoint or here, and that is no reason to fail half way through a load.

@@ -45,6 +45,38 @@ def check_param_groups(metadata, optimizer: torch.optim.Optimizer, optim_state: 
                 "saved group's parameters in one group, in the same order of groups).")
 
 
+def hold_back_unsaved_settings(metadata, state: dict) -> list:
+    """Optimizer settings the checkpoint lacks (``initial_lr``, which an LR scheduler built before the load adds;
+    a setting a newer torch added) keep this optimizer's value: DCP asks for every key it is given, and one it
+    cannot find failed the whole load half way.  A checkpoint with no optimizer at all, or whose groups hold
+    settings of another kind of optimizer, is refused here, before anything is copied.  Returns the settings
+    held back, for ``put_back_settings`` after the load."""
+    saved = metadata.state_dict_metadata
+    if not any(key.startswith(f"{_OPTIM}.") for key in saved):
+        raise CheckpointError("load_checkpoint: the checkpoint holds no optimizer state (it was saved as "
+                              "save_checkpoint(path, model)). Fix: load_checkpoint(path, model) for the model alone; "
+                              "the optimizer then starts fresh.")
+    held = []
+    for index, group in enumerate(state[_OPTIM]["param_groups"]):
+        prefix = f"{_OPTIM}.param_groups.{index}."
+        theirs = {key[len(prefix):] for key in saved if key.startswith(prefix)}
+        ours = set(group) - {"params"}
+        missing, foreign = sorted(ours - theirs), sorted(theirs - ours - {"params", "param_names"})
+        if missing and foreign:
+            raise CheckpointError(
+                f"load_checkpoint: optimizer param group {index} has settings {missing} that the checkpoint lacks, "
+                f"and the checkpoint has {foreign} that this optimizer lacks: it was saved with another kind of "
+                "optimizer. Fix: build the optimizer the checkpoint was saved with, or load_checkpoint(path, model) "
+                "for the model alone.")
+        held += [(group, key, group.pop(key)) for key in missing]
+    return held
+
+
+def put_back_settings(held: list) -> None:
+    for group, key, value in held:
+        group[key] = value
+
+
 def leave_out_what_was_never_saved(metadata, state: dict, strict: bool) -> None:
     """A parameter with no optimizer state in the checkpoint (an unused head, a save before the first step)
     starts fresh, as ``optimizer.load_state_dict`` leaves it; with ``strict=False`` a model tensor the checkpoint

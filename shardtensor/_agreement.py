@@ -152,7 +152,12 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     would refuse (see ``torch_load_errors``), so that refusal too comes before the first copy, on every rank."""
     if root:
         _AGREED.clear()
-    items, refusal = [], None
+    items, refusal, shard_refusal = [], None, None
+    for name, param in params.items():
+        value = state_dict.get(prefix + name)
+        if is_plain(value) or hasattr(value, "_layout"):  # (a wrong shape is refused below, on every rank)
+            items.append((param._name or name, param, value))  # the message names it as the model does
+            shard_refusal = shard_refusal or _other_ranks_shard(prefix + name, value)
     if root or not prefix:  # the module load_state_dict was called on (or the sharded root below a wrapper)
         errors = torch_load_errors(module, state_dict, prefix)
         caller, given = _strict_load_caller(module)
@@ -176,34 +181,38 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
                 f"Error(s) in loading state_dict for {owner}:\n\t" + "\n\t".join(errors) +
                 "\nNothing was copied on any rank (torch copies the other tensors before it raises; a sharded "
                 "model's load is all or nothing).")
-        _refuse_on_every_rank(refusal, params)
-    for name, param in params.items():
-        value = state_dict.get(prefix + name)
-        if is_plain(value) or hasattr(value, "_layout"):  # (a wrong shape is refused above, on every rank)
-            items.append((param._name or name, param, value))  # the message names it as the model does
-            refusal = refusal or _other_ranks_shard(prefix + name, value)
-    refuse_differing(items, "load_state_dict", refusal)
+        _refuse_on_every_rank(refusal, params, len(items))
+    refuse_differing(items, "load_state_dict", refusal or shard_refusal)
     for _, _, value in items:
         _AGREED[id(value)] = weakref.ref(value)
 
 
-def _refuse_on_every_rank(refusal: Optional[Exception], params: dict) -> None:
+def _refuse_on_every_rank(refusal: Optional[Exception], params: dict, loading: int) -> None:
     """Raise ``refusal`` here, and on every other rank of the parameters' group an error of the same type, before
     anything is copied: one flag exchange (0: none; 1: a ``ValueError``; 2: a ``RuntimeError``, torch's load
     errors, so an ``except RuntimeError`` around the load catches it on every rank).  A refusal decided on one
-    rank alone (only its dict has renamed keys) left the others waiting in the digest exchange."""
+    rank alone (only its dict has renamed keys) left the others waiting in the digest exchange.  The same
+    exchange carries how many sharded tensors each rank loads: with ``strict=False`` and the full dict on rank 0
+    only, rank 0 went on to the digests while the others returned as if loaded."""
     if not params:
         if refusal is not None:
             raise refusal
         return
     group, world = _group_and_world(next(iter(params.values())))
     flag = 0 if refusal is None else 2 if isinstance(refusal, RuntimeError) else 1
+    most = fewest = loading
     if world > 1:
-        verdict = torch.tensor([float(flag)])
+        verdict = torch.tensor([float(flag), float(loading), -float(loading)])
         _comm.all_reduce(verdict, group, op="max", label="load_state_dict: whether any rank refuses the load")
-        flag = int(verdict.item())
+        flag, most, fewest = int(verdict[0].item()), int(verdict[1].item()), -int(verdict[2].item())
     if refusal is not None:
         raise refusal
+    if most != fewest and not flag:
+        raise ValueError(
+            f"load_state_dict: this rank's state dict holds {loading} of the sharded parameters, another rank's "
+            f"{fewest if loading == most else most}, so no rank copies anything: every rank keeps its rows of the "
+            "same full tensors, and needs the same full state dict. Fix: load the same dict on every rank "
+            "(torch.load the file on every rank, or shardtensor.full_state_dict(model) without rank0_only).")
     if flag:
         raise (RuntimeError if flag == 2 else ValueError)(
             "load_state_dict: another rank refused it (its error names the keys or tensors and the fix), so no "

@@ -3,10 +3,12 @@ one all or nothing.  (``model.state_dict()`` keeps each rank's rows: DCP's and p
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
-from . import _agreement, _comm
+from . import _comm
 from ._full import gather_full
 from .tensor import ShardedParam
 
@@ -37,8 +39,8 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str,
             full = gather_full(value)  # every rank takes part
             if keep:
                 out[key] = full.clone()
-        elif keep:
-            out[key] = value
+        elif keep:  # a copy too: a snapshot (best model, EMA) must not follow a BatchNorm's statistics on
+            out[key] = value.clone() if isinstance(value, torch.Tensor) else value  # while the rest stays put
     return out
 
 
@@ -49,14 +51,27 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
     Everything is checked before anything is copied, so a bad state dict leaves the model as it was: missing and
     unexpected keys (when ``strict``), non-tensor values, shapes, and dtypes (``load_state_dict`` would cast a
     float64 or integer tensor silently; a checkpoint of another dtype is more often the wrong file than a wish).
-    The verdicts are agreed (one flag all-reduce): a file bad on one rank only is refused on every rank.
+    The verdicts are agreed (one exchange): a file bad on one rank only is refused on every rank, and so are
+    ranks that would load different keys (``strict=False`` with the dict on rank 0 only: the ranks then ran
+    different collectives, one of them returned as if loaded).
     """
     module = _uncompiled(module)
-    error = _full_state_dict_error(module.state_dict(), state_dict, strict)
+    own = module.state_dict()
+    error = _full_state_dict_error(own, state_dict, strict)
     group = getattr(getattr(module, "_shardtensor", None), "group", None)
-    if _agreement.any_rank(bool(error), group, "load_full_state_dict: the ranks' verdicts") and not error:
+    loading = sorted(state_dict.keys() & own.keys())
+    keys_digest = hashlib.sha256("\n".join(loading).encode()).hexdigest()
+    verdicts = _comm.all_gather_object((error, len(loading), keys_digest), group,
+                                       label="load_full_state_dict: the ranks' verdicts")
+    if not error and any(e for e, _, _ in verdicts):
         error = ("load_full_state_dict: another rank refused its state dict (its error names the key); nothing "
                  "was copied on any rank.")
+    elif not error and len({digest for _, _, digest in verdicts}) > 1:
+        counts = ", ".join(f"rank {r}: {n}" for r, (_, n, _) in enumerate(verdicts))
+        error = (f"load_full_state_dict: the ranks' state dicts hold different keys of the model ({counts} keys); "
+                 "nothing was copied on any rank. Every rank keeps its rows of the same full tensors, so every "
+                 "rank needs the same full state dict. Fix: pass it on every rank (full_state_dict(model) without "
+                 "rank0_only, or torch.load of the file on every rank).")
     if error:
         raise ValueError(error)
     return module.load_state_dict(state_dict, strict=strict)

@@ -135,3 +135,59 @@ def test_strict_loads_torch_takes_are_taken(build, edit):
     got = model.load_state_dict(given)
     assert (sorted(got.missing_keys), sorted(got.unexpected_keys)) == (sorted(want.missing_keys),
                                                                        sorted(want.unexpected_keys))
+
+
+def rank0_only_dict_case(how: str) -> dict:
+    """``strict=False`` with the full dict on rank 0 only (``full_state_dict(..., rank0_only=True)``, FSDP's
+    load-on-rank-0 habit): rank 0 went on to the digest exchange while rank 1 returned as if loaded, and both
+    met a DivergenceError at the next gather."""
+    rank = torch.distributed.get_rank()
+    model = shardtensor.shard_module(_build(0))
+    before = shardtensor.full_state_dict(model)
+    given = shardtensor.full_state_dict(shardtensor.shard_module(_build(1)), rank0_only=True)
+    try:
+        if how == "module":
+            model.load_state_dict(given, strict=False)
+        else:
+            shardtensor.load_full_state_dict(model, given, strict=False)
+        outcome = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test reads its type and text
+        outcome = f"{type(exc).__name__}: {exc}"
+    after = shardtensor.full_state_dict(model)
+    model(torch.randn(3, 4)).sum().backward()  # every rank still in step
+    return {"outcome": outcome, "rank": rank,
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+@pytest.mark.parametrize("how", ["module", "load_full_state_dict"])
+def test_a_full_dict_on_rank_0_only_is_refused_on_every_rank(how):
+    for r in run_on_ranks(2, rank0_only_dict_case, how):
+        assert r["outcome"].startswith("ValueError") and "different keys" in r["outcome"] or \
+            "holds" in r["outcome"] and "another rank's" in r["outcome"], r
+        assert "Fix:" in r["outcome"] and r["unchanged"], r
+
+
+def snapshot_case() -> dict:
+    """A full state dict kept as a snapshot (best model, EMA) while training goes on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    model.register_parameter("scale", nn.Parameter(torch.tensor(1.5)))  # 0-d: kept whole
+    shardtensor.shard_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snapshot = shardtensor.full_state_dict(model)
+    kept = {k: v.clone() for k, v in snapshot.items()}
+    for _ in range(2):
+        (model(torch.randn(8, 4)).sum() * model.scale).backward()
+        opt.step()
+        opt.zero_grad()
+    now = shardtensor.full_state_dict(model)
+    return {"moved": sorted(k for k in kept if not torch.equal(snapshot[k], kept[k])),
+            "trained": sorted(k for k in kept if not torch.equal(now[k], kept[k]))}
+
+
+def test_a_full_state_dict_is_a_snapshot_of_every_entry():
+    # The sharded entries were copies but the kept-whole ones (BatchNorm's statistics, 0-d parameters) the live
+    # tensors: a snapshot moved with training for those keys only.
+    for r in run_on_ranks(2, snapshot_case):
+        assert r["moved"] == [], r
+        assert {"1.running_mean", "1.running_var", "scale", "0.weight"} <= set(r["trained"]), r

@@ -20,11 +20,28 @@ from .compute import compute
 from .refusals import _refuse
 
 
+_NARROW = (torch.float16, torch.bfloat16)  # reduced in float32, as torch's own CPU kernels accumulate
+_REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a norm of a ``dtype`` tensor (torch's: real)."""
+    return _REAL.get(dtype, dtype)
+
+
 def _valid(p: ShardedParam) -> torch.Tensor:
     """This rank's rows of ``p``, to reduce with the other ranks' (a shard saved by another rank or in another
     world is refused, as its gather is: its sum was its saver's rows' sum, silently; helper J)."""
     p._layout.check_live(p._local, "reduce")
     return p._local[: p._layout.valid_rows]
+
+
+def _raise_as_torch_would(func, self: ShardedParam, args, kwargs) -> None:
+    """torch's own error, on every rank, for a dtype the op refuses (``mean`` or a norm of an integer tensor): the
+    op run on one element of ``self``'s dtype.  The partials went ahead: an integer mean came back a float, and
+    an integer norm's partial on a rank with no rows (float32) met the others' (int64): a DivergenceError."""
+    if not (self.dtype.is_floating_point or self.dtype.is_complex):
+        func(torch.zeros(1, dtype=self.dtype), *args[1:], **kwargs)
 
 
 def _whole_tensor_operand(func, args, kwargs, dim_arg=None) -> bool:
@@ -73,6 +90,10 @@ def _all_reduce_keep_nan(partial: torch.Tensor, group, op: str) -> None:
 
 def _p_norm_partial(x: torch.Tensor, ord: float) -> torch.Tensor:
     """The all-reducible part of a p-norm: sum |x|^p, or max/min |x| for +-inf, count for 0."""
+    if x.is_complex():  # the norm of a complex tensor is real (ord 0 counted in complex; an empty rank's
+        x = x.abs()  # partial was float32 beside the others' complex64: another collective, a DivergenceError)
+    if x.dtype in _NARROW:  # float32 partials, as torch accumulates: float16's overflowed (norm of 300s: inf)
+        x = x.float()
     if x.numel() == 0:
         return torch.tensor(float("-inf") if ord == float("inf") else float("inf") if ord == float("-inf") else 0.0,
                             dtype=torch.float32 if not x.is_floating_point() else x.dtype, device=x.device)
@@ -107,11 +128,13 @@ def _vector_norm(func, args, kwargs):
     self = args[0]
     ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     dtype = kwargs.get("dtype")
+    _raise_as_torch_would(func, self, args, kwargs)
     if self.numel() == 0 and ord in (float("inf"), float("-inf")):
         return compute(func, args, kwargs)  # torch's own error: the inf-norm of an empty tensor has no identity
     x = _valid(self) if dtype is None else _valid(self).to(dtype)
     partial = _p_norm_partial(x, ord).reshape(1).clone()
-    return _p_norm_finish(_reduce_partials(partial, [self._layout.group], _norm_reduce_op(ord))[0], ord)
+    total = _reduce_partials(partial, [self._layout.group], _norm_reduce_op(ord))[0]
+    return _p_norm_finish(total, ord).to(_norm_dtype(x.dtype))
 
 
 def _foreach_norm_partial(x: torch.Tensor, args, kwargs) -> torch.Tensor:
@@ -168,7 +191,7 @@ def _foreach_reduction(func, args, kwargs):
     _reduce_partials(partials, [t._layout.group for _, t in sharded], op_of(args, kwargs))
     finished = finish(partials, args, kwargs)
     for k, (i, t) in enumerate(sharded):
-        out[i] = finished[k].to(dtype or t.dtype)
+        out[i] = finished[k].to(_norm_dtype(dtype or t.dtype))
     return out
 
 
@@ -200,6 +223,8 @@ def _simple_reduction(op: str, local_fn: Callable, finish: Callable | None = Non
                 or (dim_arg is not None and len(args) > 2 and args[2]):
             return compute(func, args, kwargs)
         self = args[0]
+        if func in (aten.mean.default, aten.mean.dim):
+            _raise_as_torch_would(func, self, args, kwargs)
         if self.numel() == 0 and op in ("max", "min") and func not in (aten.all.default, aten.any.default):
             return compute(func, args, kwargs)  # torch's own error: max() of an empty tensor has no identity
         partial = local_fn(_valid(self), func, args, kwargs).reshape(1).clone()
@@ -210,27 +235,63 @@ def _simple_reduction(op: str, local_fn: Callable, finish: Callable | None = Non
 
 
 def _sum_local(x, func, args, kwargs):
-    return x.sum(dtype=kwargs.get("dtype"))
+    """Half types sum in float32, the result cast back at the end, as torch's own sum accumulates: each rank's
+    partial kept in float16 overflowed (``mean()`` of 40000s was inf) and rounded twice."""
+    dtype = kwargs.get("dtype")
+    return x.sum(dtype=torch.float32 if dtype is None and x.dtype in _NARROW else dtype)
 
 
-def _float_identity_or(x, reducer, identity):
-    return reducer(x) if x.numel() else torch.tensor(identity, dtype=x.dtype, device=x.device)
+def _sum_finish(total: torch.Tensor, p: ShardedParam, func=None, kwargs=None) -> torch.Tensor:
+    return total.to(p.dtype) if p.dtype in _NARROW and total.dtype != p.dtype else total
+
+
+def _identity(dtype: torch.dtype, op: str):
+    """What a rank with no rows contributes to a max or min: -inf/+inf for floats, the integer type's bounds, and
+    False/True for bool (-inf cast to an integer raised on that rank alone, while the others waited in the
+    all-reduce: a hang; cast to bool it was True, so ``(w > 100).max()`` said True on every rank)."""
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point:
+        return float("-inf") if op == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+def _identity_or(x, reducer, op: str):
+    return reducer(x) if x.numel() else torch.tensor(_identity(x.dtype, op), dtype=x.dtype, device=x.device)
 
 
 def _max_local(x, *_):
-    return _float_identity_or(x, torch.amax, float("-inf"))
+    return _identity_or(x, torch.amax, "max")
 
 
 def _min_local(x, *_):
-    return _float_identity_or(x, torch.amin, float("inf"))
+    return _identity_or(x, torch.amin, "min")
 
 
-implements([aten.sum.default, aten.sum.dim_IntList])(_simple_reduction("sum", _sum_local))
-implements([aten.mean.default, aten.mean.dim])(_simple_reduction("sum", _sum_local, lambda total, p: total / p.numel()))
+implements([aten.sum.default, aten.sum.dim_IntList])(_simple_reduction("sum", _sum_local, _sum_finish))
+implements([aten.mean.default, aten.mean.dim])(_simple_reduction("sum", _sum_local,
+                                                                 lambda total, p: _sum_finish(total / p.numel(), p)))
 implements([aten.max.default, aten.amax.default])(_simple_reduction("max", _max_local))
 implements([aten.min.default, aten.amin.default])(_simple_reduction("min", _min_local))
-implements(aten.all.default)(_simple_reduction("min", lambda x, *_: x.all().to(torch.uint8), lambda total, p: total.bool()))
-implements(aten.any.default)(_simple_reduction("max", lambda x, *_: x.any().to(torch.uint8), lambda total, p: total.bool()))
+def _flag_finish(total: torch.Tensor, p: ShardedParam) -> torch.Tensor:
+    return total if p.dtype == torch.uint8 else total.bool()  # torch's all()/any() of uint8 is uint8
+
+
+implements(aten.all.default)(_simple_reduction("min", lambda x, *_: x.all().to(torch.uint8), _flag_finish))
+implements(aten.any.default)(_simple_reduction("max", lambda x, *_: x.any().to(torch.uint8), _flag_finish))
+
+
+@implements(aten.equal.default)
+def _equal(func, args, kwargs):
+    """``torch.equal`` of two shards of one layout: this rank's rows, then every rank's verdict (torch tags it
+    pointwise, so it ran on the shards alone and each rank answered for its own rows)."""
+    a, b = args[0], args[1]
+    if not (isinstance(a, ShardedParam) and isinstance(b, ShardedParam) and a._layout == b._layout
+            and a._views == b._views and _chain_is_bijective(a._views) and a.shape == b.shape):
+        return compute(func, args, kwargs)
+    same = torch.tensor([1 if torch.equal(_valid(a), _valid(b)) else 0], dtype=torch.uint8)
+    return bool(_reduce_partials(same, [a._layout.group], "min")[0])
 
 
 @implements(aten._amp_foreach_non_finite_check_and_unscale_.default)

@@ -343,6 +343,15 @@ MUTATIONS = {
         "    return self._derived(self._local.view(dtype), gatherer=self._gatherer)",
         "    return compute(func, args, kwargs)",
         ("tests/test_inference_mode.py::test_a_write_through_a_dtype_view_lands_in_the_shards",)),
+    "complex_view_computed": Mutation(
+        "shardtensor/_dispatch/views.py", "_complex_view",
+        "    return _reshaped_base(self, func, func, args, kwargs)",
+        "    return compute(func, args, kwargs)",
+        ("tests/test_reinterpreting_views.py::test_writes_through_reinterpreting_and_row_keeping_views_equal_torchs",)),
+    "column_write_refused": Mutation(
+        "shardtensor/_dispatch/local.py", "_write_dim0_rows",
+        "    if columns is not None:", "    if False:",
+        ("tests/test_reinterpreting_views.py::test_writes_through_reinterpreting_and_row_keeping_views_equal_torchs",)),
     "ddp_and_fsdp2_sync_names_missing": Mutation(
         "shardtensor/_sync_switch.py", "attach_habits",
         "            module.__dict__[name] = fn", "            pass",

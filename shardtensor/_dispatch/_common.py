@@ -7,10 +7,11 @@ overload, then its packet, then the families in the order they were declared, th
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from .._layout import ShardLayout
 from ..tensor import ShardedParam
 
 aten = torch.ops.aten
@@ -177,3 +178,18 @@ def _wrap_like(template: ShardedParam, out):
         return t
 
     return _map_out(wrap, out)
+
+
+def _rows_of(target) -> Optional[torch.Tensor]:
+    """This rank's rows of ``target``: its shard's valid rows, through ``target``'s views where they all keep dim 0
+    whole (``w[:, 2]``, ``w[:, 1:3]``); None for anything else (a view of some rows, a reshape, layer-wise)."""
+    if not isinstance(target, ShardedParam) or type(target._layout) is not ShardLayout:
+        return None
+    local, dims = target._local[: target._layout.valid_rows], len(target._layout.shape)
+    for step in target._views:
+        dim = step.args[0] if step.args else None
+        if step.func not in (aten.select.int, aten.slice.Tensor) or step.kwargs or step.index is not None or \
+                dim is None or dim % dims == 0:
+            return None
+        local, dims = step.apply(local), dims - (step.func is aten.select.int)
+    return local

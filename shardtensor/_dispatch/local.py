@@ -22,7 +22,7 @@ from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
 from ._common import (
     _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
-    _params_in, _to_local, _wrap_like, _written_args, _written_params, _written_shards_and_plain, aten, implements,
+    _params_in, _rows_of, _to_local, _wrap_like, _written_args, _written_params, _written_shards_and_plain, aten, implements,
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse
@@ -231,6 +231,11 @@ def _write_dim0_rows(func, args, kwargs) -> bool:
     if not isinstance(view, ShardedParam) or not view._views or type(view._layout) is not ShardLayout \
             or not all(_scalar_operand(x) for x in (*args[1:], *kwargs.values())):
         return False
+    columns = _rows_of(view)  # ``p.real.add_(1)``, ``w[:, 0].zero_()``: views that keep every row
+    if columns is not None:
+        func(columns, *args[1:], **kwargs)
+        _mark_written((view,))
+        return True
     (step, *within_row), layout = view._views, view._layout
     dim, *rest = step.args or (None,)
     if dim not in (0, -len(layout.shape)) or step.kwargs or step.index is not None:

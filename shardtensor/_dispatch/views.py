@@ -6,9 +6,11 @@ compute op needs the data.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .._layout import ViewStep, view_geometry
+from .._layout import ShardLayout, ViewStep, view_geometry
 from ..tensor import ShardedParam
 from ._common import _BIJECTIVE_VIEWS, _params_in, aten, implements
 from .compute import _Gathered, _unalias, compute
@@ -66,13 +68,50 @@ def _view_as_copy(func, args, kwargs):
 
 @implements(aten.view.dtype)
 def _dtype_view(func, args, kwargs):
-    """``w.view(torch.int32)``: the same bits as another dtype of the same size, a view of the shard (the rows and
-    every recorded view keep their geometry).  The fallback's gathered copy took a write through it and dropped
-    it, silently.  Another element size changes the rows' extent: computed (a copy, as before)."""
+    """``w.view(torch.int32)``: the same bits as another dtype, a view of the shard.  The fallback's gathered copy
+    took a write through it and dropped it, silently.  Of the same element size every recorded view keeps its
+    geometry; of another only the last dim changes, so a base of two dims or more keeps its rows (a 1-d base's rows
+    change their extent: computed, a copy torch's reading gives and a write refuses)."""
     self, dtype = args[0], args[1]
-    if not isinstance(self, ShardedParam) or torch.empty((), dtype=dtype).element_size() != self.element_size():
+    if not isinstance(self, ShardedParam):
         return compute(func, args, kwargs)
-    return self._derived(self._local.view(dtype), gatherer=self._gatherer)
+    if torch.empty((), dtype=dtype).element_size() == self.element_size():
+        return self._derived(self._local.view(dtype), gatherer=self._gatherer)
+    return _reshaped_base(self, lambda t: t.view(dtype), func, args, kwargs)
+
+
+@implements([aten.view_as_real.default, aten.view_as_complex.default])
+def _complex_view(func, args, kwargs):
+    """``view_as_real``, ``.real``, ``.imag`` (``view_as_real`` then ``select``) and ``view_as_complex`` change
+    only the last dim, so a base of two dims or more (and ``view_as_real`` of a 1-d base) is a view of the shard:
+    writes through it land in the parameter.  They were computed on a gathered copy, and a write was lost."""
+    self = args[0]
+    if not isinstance(self, ShardedParam):
+        return compute(func, args, kwargs)
+    return _reshaped_base(self, func, func, args, kwargs)
+
+
+def _reshaped_base(self: ShardedParam, view, func, args, kwargs):
+    """A new base over ``view(shard)``, dim 0 still split by rank, or the op computed where it is not one.
+
+    A dtype or complex view reinterprets the bytes of each row, so it is a view of the shard wherever it keeps
+    every dim but the last (of two dims or more) or, of a 1-d base, where each rank's padded rows still make a
+    whole number of the new elements (each rank's bytes are then one block of the new tensor: its rows).  Writes
+    through it land in this rank's rows; it shares the shard's version counter, so a held gather is stale as it is
+    after any other write.  Elsewhere (a view chain before it, a 1-d shard whose bytes do not divide) it is
+    computed: a copy, which reads right and which a write would not reach."""
+    if self._views or type(self._layout) is not ShardLayout:
+        return compute(func, args, kwargs)
+    try:
+        local = view(self._local)
+        shape = view(torch.empty(self._layout.shape, dtype=self._local.dtype, device="meta")).shape
+    except RuntimeError:
+        return compute(func, args, kwargs)
+    if local.dim() == 0 or shape[1:] != local.shape[1:] or local.data_ptr() != self._local.data_ptr():
+        return compute(func, args, kwargs)
+    layout = dataclasses.replace(self._layout, shape=shape, rows_per_rank=local.shape[0])
+    device = self.device if local.device == self._local.device else local.device
+    return ShardedParam(local, layout, name=self._name, device=device)
 
 
 @implements([aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default])

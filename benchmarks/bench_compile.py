@@ -12,6 +12,9 @@ Configurations (each in a fresh group of ``--world`` gloo processes, CPU):
     compute/comm reordering on (``bucket_all_gathers_fx="all"``, ``reorder_for_compute_comm_overlap``: they act
     on functional collectives, which gloo graphs do not have);
   - ``fsdp2-compiled``: ``fully_shard`` per block and on the root, each block ``torch.compile``d (FSDP2's recipe);
+  - ``st-compiled-step`` / ``fsdp2-compiled-step`` / ``local-compiled-step``: the same, with the optimizer step
+    compiled too (``torch.compile(opt.step)``, PyTorch's recipe for a compiled optimizer; for shardtensor see
+    [Note: a compiled optimizer step] in shardtensor/_dispatch/traced.py);
   - ``local-eager`` / ``local-compiled``: the unsharded model on every rank, no collective at all: the floor, and
     what compiling gains on the compute alone (on a CPU whose step is mostly matmuls: little);
   - ``zero3-floor`` / ``zero3-floor-compiled`` (not in the default set): the local model, eager or compiled, plus
@@ -47,7 +50,8 @@ from shardtensor.launch import spawn_ranks  # noqa: E402
 
 CONFIGS = ["st-eager", "st-eager-seq", "st-compiled", "st-compiled-seq", "fsdp2-compiled", "local-eager",
            "local-compiled"]
-OPTIONAL = ["zero3-floor", "zero3-floor-compiled", "st-compiled-bucketed"]
+OPTIONAL = ["zero3-floor", "zero3-floor-compiled", "st-compiled-bucketed", "st-compiled-step", "fsdp2-compiled-step",
+            "local-compiled-step"]
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -67,7 +71,7 @@ def _build(config: str, model: torch.nn.Module, world: int):
     import shardtensor
 
     if config.startswith("local-") or config.startswith("zero3-floor"):
-        return model, torch.compile(model) if config.endswith("-compiled") else model
+        return model, torch.compile(model) if "-compiled" in config else model
     if config.startswith("st-"):
         shardtensor.shard_module(model, gather="sequential" if config.endswith("-seq") else "overlapped")
         if config == "st-compiled-bucketed":
@@ -123,6 +127,7 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
                               n_head=args.heads, n_embd=args.dim))
         model, run = _build(config, model, world)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt_step = torch.compile(opt.step) if config.endswith("-step") else opt.step
         # the floor steps its own AdamW on this rank's share, around the (compiled) local model
         floor = _zero3_floor_step(run, argparse.Namespace(lr=1e-3)) if config.startswith("zero3-floor") else None
         times, cpu_times, losses = [], [], []
@@ -136,7 +141,7 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
             else:
                 loss = run(x, y)
                 loss.backward()
-                opt.step()
+                opt_step()
                 opt.zero_grad()
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)  # this rank's process, gloo's threads included

@@ -219,11 +219,19 @@ def _forget_checked_state(optimizer: torch.optim.Optimizer) -> None:
     _STATE_SEEN[optimizer] = None
 
 
+@torch._disable_dynamo  # (imports Dynamo at its first call, as torch.optim's own methods do)
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Global optimizer step pre-hook: refuse a step while gradients of this optimizer's parameters are deferred
     (``opt.step()`` inside ``gradient_sync(model, False)``): the parameters' ``.grad`` are zero shards then, the
     step would apply nothing useful, and the deferred gradients would leak into the next step.  Also refuses an
-    optimizer built before ``shard_module``."""
+    optimizer built before ``shard_module``.  Never traced: see [Note: a compiled optimizer step]."""
+    _check_step(optimizer)
+    from ._dispatch import traced
+
+    traced.optimizer_step_begins()
+
+
+def _check_step(optimizer: torch.optim.Optimizer) -> None:
     _refuse_optimizer_built_first(optimizer)
     _check_models_before_step(optimizer)
     _refuse_state_of_another_rank(optimizer)
@@ -295,10 +303,14 @@ def _check_models_before_step(optimizer: torch.optim.Optimizer) -> None:
         "hooks average the gradient and keep this rank's rows).")
 
 
+@torch._disable_dynamo
 def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Global optimizer step post-hook: count the step (``note_optimizer_step``) over the optimizer's sharded
     parameters."""
+    from ._dispatch import traced
+
     _, sharded, groups, _ = _sharded_of(optimizer)
+    traced.optimizer_step_ends([p for p in sharded if p.grad is not None])
     note_optimizer_step(sharded, _settings_digest(optimizer, groups))
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 import shardtensor
 from rank_pool import run_on_ranks
+from shardtensor._dispatch import traced
 from shardtensor.models import GPT, GPTConfig
 
 STEPS = 3
@@ -37,10 +38,20 @@ def _loss(run, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), idx.roll(1, dims=1).flatten())
 
 
-def _train(model: nn.Module, run, batches, *, sharded: bool) -> tuple[list[float], dict]:
-    # eps=1e-3: a parameter whose true gradient is 0 (the key part of qkv.bias: softmax ignores it) gets rounding
-    # noise that a tiny eps would blow up to +-lr per step, differently per backend and summation order.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+OPTIMIZERS = {  # eps=1e-3: a parameter whose true gradient is 0 (the key part of qkv.bias: softmax ignores it)
+    # gets rounding noise that a tiny eps would blow up to +-lr per step, differently per backend and summation order.
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3, foreach=True),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-3, fused=True),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9, weight_decay=0.01),
+}
+
+
+def _train(model: nn.Module, run, batches, *, sharded: bool, optimizer: str = "adamw",
+           step_backend: str = "") -> tuple[list[float], dict]:
+    """``step_backend``: compile ``opt.step`` with it (see [Note: a compiled optimizer step])."""
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    opt_step = torch.compile(opt.step, backend=step_backend) if step_backend else opt.step
     losses = []
     for step in batches:
         if sharded:
@@ -49,7 +60,7 @@ def _train(model: nn.Module, run, batches, *, sharded: bool) -> tuple[list[float
             loss = sum(_loss(run, b) for b in step) / len(step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        opt_step()
         opt.zero_grad()
         mean = loss.detach().clone()
         if sharded:
@@ -562,3 +573,74 @@ def compiled_on_one_rank_case() -> str:
 def test_a_model_compiled_on_one_rank_only_is_named_with_the_fix():
     for message in run_on_ranks(2, compiled_on_one_rank_case, timeout=120):
         assert "diverged" in message and "compile the model on every rank" in message, message
+
+
+def compiled_optimizer_step_case(world: int, optimizer: str, backend: str) -> tuple:
+    """(sharded with ``torch.compile(opt.step)``, eager sharded, unsharded with torch's own compiled step) results,
+    the graph breaks and graphs of each compiled step, and whether each step moved the shards' version counters
+    (a held gather is told stale by them)."""
+    import torch._dynamo
+
+    def compiled_run(model, sharded: bool) -> tuple:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        result = _train(model, model, batches, sharded=sharded, optimizer=optimizer, step_backend=backend)
+        counters = torch._dynamo.utils.counters
+        return result, (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+
+    model = _gpt(True)
+    batches = _batches(world)
+    reference, plain_graphs = compiled_run(copy.deepcopy(model), sharded=False)
+    eager = shardtensor.shard_module(copy.deepcopy(model))
+    eager_result = _train(eager, eager, batches, sharded=True, optimizer=optimizer)
+    versions, real_step_ends = [], traced.optimizer_step_ends
+
+    def step_ends(params):
+        before = [p._local._version for p in params]
+        real_step_ends(params)
+        versions.append(all(p._local._version > v for p, v in zip(params, before)))
+
+    traced.optimizer_step_ends = step_ends
+    try:
+        result, graphs = compiled_run(shardtensor.shard_module(model), sharded=True)
+    finally:
+        traced.optimizer_step_ends = real_step_ends
+    return result, eager_result, reference, graphs, plain_graphs, versions
+
+
+@pytest.mark.parametrize("optimizer,backend", [("adamw", "inductor"), ("adamw-foreach", "aot_eager"),
+                                               ("adamw-fused", "aot_eager"), ("sgd-momentum", "aot_eager")])
+def test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step(optimizer, backend):
+    """``torch.compile(opt.step)``: the update runs on each rank's rows in the graphs torch compiles for the
+    unsharded model's step (it was refused: an in-place write into a ShardedParam in compiled code; the fused
+    step is one torch does not trace, and runs eagerly), the step hooks stay eager, and the parameters after 3
+    steps are the eager sharded ones and the unsharded ones."""
+    for result, eager, reference, (breaks, graphs), (plain_breaks, plain_graphs), versions in run_on_ranks(
+            2, compiled_optimizer_step_case, 2, optimizer, backend):
+        assert graphs == plain_graphs and breaks <= plain_breaks, ((breaks, graphs), (plain_breaks, plain_graphs))
+        assert versions == [True] * STEPS, versions
+        _assert_same(result, eager, 1e-5)
+        _assert_same(result, reference, 1e-4)
+
+
+def write_outside_a_step_case() -> str:
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Linear(4, 6))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def ema(decay: float) -> None:
+        with torch.no_grad():
+            model.weight.mul_(decay)
+
+    try:
+        ema(0.5)
+    except Exception as exc:  # noqa: BLE001  (Dynamo wraps the error it met)
+        return str(exc)
+    return "no error"
+
+
+def test_an_in_place_write_in_compiled_code_outside_an_optimizer_step_is_refused():
+    """Only an optimizer step's writes run on the traced shards: elsewhere the compiled graph's write would not
+    move the version counters a held gather is checked against."""
+    for text in run_on_ranks(2, write_outside_a_step_case):
+        assert "writes into the ShardedParams ['weight']" in text and "torch.compile(opt.step)" in text, text

@@ -36,6 +36,18 @@ MUTATIONS = {
         "shardtensor/_dispatch/traced.py", "run_traced",
         "    after = _first_activation(args, kwargs)", "    after = None",
         ("tests/test_compile.py::test_compiled_sequential_mode_gathers_per_read_and_again_in_the_backward",)),
+    "compiled_step_leaves_versions_unmoved": Mutation(
+        "shardtensor/_dispatch/traced.py", "optimizer_step_ends",
+        "    _mark_written(params)", "    pass",
+        ("tests/test_compile.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
+    "compiled_step_refused": Mutation(
+        "shardtensor/_dispatch/traced.py", "_update_on_shards",
+        "    if not _STEP_IN_PROGRESS[0] or", "    if True or",
+        ("tests/test_compile.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
+    "compiled_step_states_made_whole": Mutation(
+        "shardtensor/_dispatch/traced.py", "_shard_wise_rules",
+        "local._copy, local._like)", "local._copy)",
+        ("tests/test_compile.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
     "compiled_overlapped_gathers_per_read": Mutation(
         "shardtensor/_units.py", "attach_units",
         "        _traced.record_units(units.units)", "        pass",

@@ -22,7 +22,8 @@ from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
 from ._common import (
     _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
-    _params_in, _rows_of, _to_local, _wrap_like, _written_args, _written_params, _written_shards_and_plain, aten, implements,
+    _params_in, _rows_of, _to_local, _wrap_like, _written_args, _written_params, _written_shards_and_plain, aten,
+    implements,
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse

@@ -28,7 +28,8 @@ from ._common import (
 
 
 def run_traced(func, args: tuple, kwargs: dict, rule: Callable) -> Any:
-    """``func`` on traced ShardedParams: views by their rule (no gather), everything else on gathered tensors."""
+    """``func`` on traced ShardedParams: views by their rule (no gather), an optimizer step's update on the shards,
+    everything else on gathered tensors."""
     if rule in (views._view, views._identity_view):
         return rule(func, args, kwargs)
     if _update_on_shards(func, args, kwargs, rule):  # see [Note: a compiled optimizer step]
@@ -81,7 +82,8 @@ def _update_on_shards(func, args: tuple, kwargs: dict, rule: Callable) -> bool:
     if any(t.dim() != 0 for t in plain):
         return False
     if rule is local._copy:  # a whole shard from a shard of its layout, or a 0-d value
-        return not args[0]._views and not (isinstance(args[1], ShardedParam) and args[1]._views)
+        return isinstance(args[0], ShardedParam) and not args[0]._views and \
+            not (isinstance(args[1], ShardedParam) and args[1]._views)
     return True
 
 

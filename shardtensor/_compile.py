@@ -5,6 +5,15 @@ While torch.compile traces, ops on ShardedParams take the traced path (see [Note
 (and everything they call) are marked "skip" in Dynamo's frame evaluator, so an eager op that runs inside a
 compiled region (fake propagation calls it) is never re-traced as Python.  This uses the C-level switch, so
 importing shardtensor does not import ``torch._dynamo`` (seconds).
+
+[Note: backward hooks run eagerly]
+A ``loss.backward()`` inside a compiled function is a graph break: autograd runs it eagerly, but the frames it
+calls into (our gradient hooks, the unit's pre-backward hook, the end-of-backward callbacks) are still handed to
+Dynamo's frame evaluator, which traced them as new frames and failed inside them on a ShardedParam ("Expect size
+to be a plain tuple of ints").  They are marked "skip" too: they run as in eager.  Hooks that a compiled graph
+itself runs (the module forward hooks) are not: they stand aside while Dynamo traces.  The optimizer step's
+global hooks, which Dynamo meets while tracing ``opt.step`` (not as frames), are ``torch._disable_dynamo``'d (see
+[Note: a compiled optimizer step] in ``_dispatch/traced.py``).
 """
 
 from __future__ import annotations

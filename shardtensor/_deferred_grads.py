@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import _grad_edits, _misuse
+from . import _compile, _grad_edits, _misuse
 
 
 class DeferredGradients:
@@ -84,3 +84,6 @@ class DeferredGradients:
     def deferred_bytes(self) -> int:
         """Bytes of full local gradients waiting for the next synced backward."""
         return sum(t.numel() * t.element_size() for t in self._deferred.values())
+
+
+_compile.skip_in_dynamo(DeferredGradients._remember_holders)  # see [Note: backward hooks run eagerly] in _compile.py

@@ -37,6 +37,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import _compile
+
 
 # id(placeholder) -> a weak reference to it.  Weak, so that AccumulateGrad can take the placeholder itself as
 # ``.grad`` (it steals a gradient nobody else references; held here, it was cloned: an allocation, a copy and two
@@ -193,3 +195,6 @@ def _will_accumulate(param) -> bool:
         if "autograd.grad" in str(exc):
             return False
         raise
+
+
+_compile.skip_in_dynamo(forget_placeholders)  # see [Note: backward hooks run eagerly] in _compile.py

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _comm, _comm_shm, _grad_landing, _misuse, _traced
+from . import _comm, _comm_shm, _compile, _grad_landing, _misuse, _traced
 from ._layout import ShardLayout
 from .gather import GatherMode
 from .reduce import ExactReducer
@@ -182,7 +182,9 @@ class UnitSet:
                 output = output if tied is None else tied
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit, token),
+                before_backward = lambda grads: self._pre_backward(unit, token)  # noqa: E731
+                _compile.skip_in_dynamo(before_backward)  # see [Note: backward hooks run eagerly] in _compile.py
+                torch.autograd.graph.register_multi_grad_hook(outputs, before_backward,
                                                               mode="any")
             return output
 
@@ -236,7 +238,9 @@ class UnitSet:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self._tasks:
             self._tasks.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
+            end = lambda: self._end_of_backward(task)  # noqa: E731
+            _compile.skip_in_dynamo(end)  # see [Note: backward hooks run eagerly] in _compile.py
+            torch.autograd.Variable._execution_engine.queue_callback(end)
         return task
 
     def _drop_failed_backward(self) -> None:
@@ -326,3 +330,7 @@ def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_s
         units.open_channel()
         _traced.record_units(units.units, units.root_unit)  # under compile too (sequential: a gather per read)
     return units
+
+
+_compile.skip_in_dynamo(UnitSet._pre_backward)  # see [Note: backward hooks run eagerly] in _compile.py
+_compile.skip_in_dynamo(UnitSet._end_of_backward)

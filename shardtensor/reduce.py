@@ -28,7 +28,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from . import _comm, _grad_landing, _misuse, _traced_grads
+from . import _comm, _compile, _grad_landing, _misuse, _traced_grads
 from ._deferred_grads import DeferredGradients
 from ._layout import ShardLayout
 from .tensor import ShardedParam
@@ -191,10 +191,10 @@ class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
             self._frozen[id(param)] = (param, key, group, handles, name)
             return
         self._frozen.pop(id(param), None)
-        if key is not None:
-            handles.append(torch.Tensor.register_hook(param, self.sharded_grad_hook(param, key)))
-        else:
-            handles.append(param.register_hook(self.replicated_grad_hook(group, param, name)))
+        hook = self.sharded_grad_hook(param, key) if key is not None else \
+            self.replicated_grad_hook(group, param, name)
+        _compile.skip_in_dynamo(hook)  # see [Note: backward hooks run eagerly] in _compile.py
+        handles.append(torch.Tensor.register_hook(param, hook) if key is not None else param.register_hook(hook))
 
     def attach_unfrozen(self) -> None:
         """Root forward: hook the parameters frozen at shard time that require a gradient now."""
@@ -376,3 +376,6 @@ def frozen_in_label(frozen: list[str]) -> str:
         return ""
     return (f"; frozen: {len(frozen)}, first {frozen[0]!r}, #{zlib.crc32(' '.join(frozen).encode()):08x} "
             "(requires_grad must be the same on every rank)")
+
+
+_compile.skip_in_dynamo(GradSync.finish_pending)  # see [Note: backward hooks run eagerly] in _compile.py

@@ -37,9 +37,11 @@ def run_traced(func, args: tuple, kwargs: dict, rule: Callable) -> Any:
     written = _written_params(func, args, kwargs)
     if written:
         raise NotImplementedError(
-            f"torch.compile: {func} writes into the ShardedParams {[p._name or tuple(p.shape) for p in written]} "
-            "inside a compiled function; in-place updates of sharded parameters run eagerly only. Fix: keep the "
-            "in-place parameter update outside the compiled function (torch.compile(opt.step) is supported)."
+            f"torch.compile: {func} writes into the sharded tensors {[p._name or tuple(p.shape) for p in written]} "
+            "(parameters, their gradients or optimizer state) inside a compiled function, outside a torch.optim "
+            "step; such writes run eagerly only (without fullgraph=True the compiler breaks its graph there and "
+            "runs them eagerly). Fix: keep them outside the compiled function (clip_grad_norm_ before the step "
+            "too), or inside an optimizer step: torch.compile(opt.step) compiles."
         )
     after = _first_activation(args, kwargs)
     swap = lambda x: traced_gather(x, after) if isinstance(x, ShardedParam) else x  # noqa: E731

@@ -359,11 +359,17 @@ def _declare_foreach_support() -> None:
 
 _declare_foreach_support()
 _exports.guard_to_dlpack(ShardedParam)
-_compile.skip_in_dynamo(ShardedParam.__torch_dispatch__)  # eager ops between compiled graphs are not re-traced
-# (AOTAutograd's runtime wrappers rebuild ShardedParams between a compiled function's graphs: traced as frames,
-# they recompiled per shape and failed on a symbolic size; see [Note: backward hooks run eagerly] in _compile.py)
-_compile.skip_in_dynamo(ShardedParam.__tensor_unflatten__)
-_compile.skip_in_dynamo(ShardedParam.__tensor_flatten__)
+
+
+def _keep_out_of_dynamo() -> None:
+    _compile.skip_in_dynamo(ShardedParam.__torch_dispatch__)  # eager ops between compiled graphs are not re-traced
+    # AOTAutograd's runtime wrappers rebuild ShardedParams between a compiled function's graphs: traced as frames,
+    # they recompiled per shape and failed on a symbolic size (see [Note: backward hooks run eagerly] in _compile.py)
+    _compile.skip_in_dynamo(ShardedParam.__tensor_unflatten__)
+    _compile.skip_in_dynamo(ShardedParam.__tensor_flatten__)
+
+
+_keep_out_of_dynamo()
 
 
 def _rebuild_sharded_param(local: torch.Tensor, spec: tuple, name: str, requires_grad: bool,

@@ -10,6 +10,9 @@ step, count it and compare it across ranks) mark the step in progress, and an in
 elsewhere in compiled code stays refused, as does any write with grad enabled.  A compiled graph writes into the
 shards without moving their version counters, which the Gatherer reads to tell a held gather from a stale one, so
 the post-hook moves them for the optimizer's parameters; no such hook would run after other compiled code.
+The check is made when a graph is traced: a compiled function of the user's whose graph was first traced inside a
+step (called from a per-optimizer step hook) and is called again outside one runs its cached writes unchecked,
+and moves no version counter.
 """
 
 from __future__ import annotations

@@ -39,19 +39,19 @@ MUTATIONS = {
     "compiled_step_leaves_versions_unmoved": Mutation(
         "shardtensor/_dispatch/traced.py", "optimizer_step_ends",
         "    _mark_written(params)", "    pass",
-        ("tests/test_compile.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
+        ("tests/test_compile_step.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
     "compiled_step_refused": Mutation(
         "shardtensor/_dispatch/traced.py", "_update_on_shards",
         "    if not _STEP_IN_PROGRESS[0] or", "    if True or",
-        ("tests/test_compile.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
+        ("tests/test_compile_step.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
     "compiled_step_states_made_whole": Mutation(
         "shardtensor/_dispatch/traced.py", "_shard_wise_rules",
         "local._copy, local._like)", "local._copy)",
-        ("tests/test_compile.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
+        ("tests/test_compile_step.py::test_a_compiled_optimizer_step_updates_the_shards_as_the_eager_step",)),
     "unflatten_traced_after_a_backward_break": Mutation(
         "shardtensor/tensor.py", "_keep_out_of_dynamo",
         "    _compile.skip_in_dynamo(ShardedParam.__tensor_unflatten__)", "    pass",
-        ("tests/test_compile.py::test_a_compiled_function_holding_backward_and_the_step_trains_as_eager",)),
+        ("tests/test_compile_step.py::test_a_compiled_function_holding_backward_and_the_step_trains_as_eager",)),
     "compiled_overlapped_gathers_per_read": Mutation(
         "shardtensor/_units.py", "attach_units",
         "        _traced.record_units(units.units)", "        pass",

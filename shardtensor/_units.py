@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import _comm, _comm_shm, _compile, _grad_landing, _misuse, _traced
 from ._layout import ShardLayout
-from .gather import GatherMode
+from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer
 from ._unit import _Unit
 from ._unit_autograd import PostBackward, tie_if_another_rank_needs
@@ -43,7 +43,6 @@ from ._unit_buffers import FullsPool, direct_positions, finish_reductions, reduc
 from .tensor import ShardedParam
 
 if TYPE_CHECKING:
-    from .gather import Gatherer
     from .reduce import GradSync
 
 
@@ -334,3 +333,4 @@ def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_s
 
 _compile.skip_in_dynamo(UnitSet._pre_backward)  # see [Note: backward hooks run eagerly] in _compile.py
 _compile.skip_in_dynamo(UnitSet._end_of_backward)
+_compile.skip_in_dynamo(Gatherer._backward_ended)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from . import _comm, _compile
+from . import _comm
 from ._comm_divergence import divergences_named
 from ._layout import ShardLayout
 from ._full import gather_full, gather_now  # noqa: F401  (gather_full: re-exported for callers of the Gatherer)
@@ -398,6 +398,3 @@ class Gatherer:
     def _drop_all(self) -> None:
         for index in [i for i, e in self._entries.items() if e.users <= 0]:
             self._drop(index)
-
-
-_compile.skip_in_dynamo(Gatherer._backward_ended)  # see [Note: backward hooks run eagerly] in _compile.py

@@ -181,15 +181,13 @@ class UnitSet:
                 output = output if tied is None else tied
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
-                before_backward = lambda grads: self._pre_backward(unit, token)  # noqa: E731
-                _compile.skip_in_dynamo(before_backward)  # see [Note: backward hooks run eagerly] in _compile.py
-                torch.autograd.graph.register_multi_grad_hook(outputs, before_backward,
-                                                              mode="any")
+                torch.autograd.graph.register_multi_grad_hook(  # (a partial: no frame of its own for Dynamo)
+                    outputs, functools.partial(self._pre_backward, unit, token), mode="any")
             return output
 
         return hook
 
-    def _pre_backward(self, unit: _Unit, token: Optional[object] = None) -> None:
+    def _pre_backward(self, unit: _Unit, token: Optional[object] = None, _grads: object = None) -> None:
         unit.backward_task = self._queue_end_of_backward()
         if token is not None and self._kept is not None and self._kept[1] is token:
             self._kept = None  # the hold its forward kept becomes this backward's
@@ -237,9 +235,7 @@ class UnitSet:
         task = torch._C._current_graph_task_id()
         if task != -1 and task not in self._tasks:
             self._tasks.add(task)
-            end = lambda: self._end_of_backward(task)  # noqa: E731
-            _compile.skip_in_dynamo(end)  # see [Note: backward hooks run eagerly] in _compile.py
-            torch.autograd.Variable._execution_engine.queue_callback(end)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_of_backward, task))
         return task
 
     def _drop_failed_backward(self) -> None:

@@ -70,8 +70,8 @@ def _view_as_copy(func, args, kwargs):
 def _dtype_view(func, args, kwargs):
     """``w.view(torch.int32)``: the same bits as another dtype, a view of the shard.  The fallback's gathered copy
     took a write through it and dropped it, silently.  Of the same element size every recorded view keeps its
-    geometry; of another only the last dim changes, so a base of two dims or more keeps its rows (a 1-d base's rows
-    change their extent: computed, a copy torch's reading gives and a write refuses)."""
+    geometry; of another only the last dim changes, so the view is a new base over the shard's bytes where
+    ``_reshaped_base`` says it is one."""
     self, dtype = args[0], args[1]
     if not isinstance(self, ShardedParam):
         return compute(func, args, kwargs)

@@ -293,8 +293,17 @@ class UnitSet:
 
     def _end_of_backward(self, task: int) -> None:
         """Units this backward held whose inputs needed no gradient (no post-backward node ran): free and reduce,
-        in unit order.  A unit an enclosing backward holds is left to that one's end."""
+        in unit order.  A unit an enclosing backward holds is left to that one's end.  If this raises (a user's
+        gradient hook, run as a reduction lands), the backward failed: its state is dropped at the next forward,
+        as any failed backward's (see [Note: nested and failed backwards])."""
         self._tasks.discard(task)
+        try:
+            self._finish_backward()
+        except BaseException:
+            self._tasks.add(task)
+            raise
+
+    def _finish_backward(self) -> None:
         for unit in self.units:
             unit.drop_prefetch()
             if unit.backward_task in self._tasks:  # held by a backward still running around this one

@@ -117,8 +117,7 @@ class Gatherer:
         self._entries: dict[int, _Entry] = {}  # index -> gathered / in-flight buffer
         self._order: list[int] = []  # recorded gather order of one step
         self._recording: list[int] = []
-        self._state = GatherState.RECORDING
-        self._pos = 0
+        self._state, self._pos = GatherState.RECORDING, 0
         self._backward_end_queued = False  # an end-of-backward callback will start the next step
         self._step_ended = False  # a backward ended: the next gather starts a step (no root forward seen)
         self._steps_marked = False  # someone calls step_begin (the root forward hook): trust it
@@ -209,9 +208,7 @@ class Gatherer:
             self._order = self._recording
             self._to_state(GatherState.REPLAYING)
         # (replaying a shorter step, e.g. an eval forward with no backward: the order still stands)
-        self._recording = []
-        self._pos = 0
-        self._step_ended = False
+        self._recording, self._pos, self._step_ended = [], 0, False
         self._alive_refs = [r for r in self._alive_refs if r() is not None]  # bounded over a long run
         if self._shard_source is not None:
             self._shard_source.on_step_begin()
@@ -223,12 +220,15 @@ class Gatherer:
     # step, forever, and overlapped mode would never replay (so never prefetch).  A program that only runs
     # forwards through such children is bounded by ``_MAX_RECORDING_PER_PARAM``.  The root hook's checks run there too.
     def _note_gather(self) -> None:
+        inside = torch._C._current_graph_task_id() != -1  # inside a backward
+        if self._backward_end_queued and not inside:  # that backward raised: its end callback never ran
+            self._backward_ended()
         if self._unchecked and self.step_checks is not None:
             self._unchecked = False
             self.step_checks()
         if self._step_ended and not self._steps_marked:
             self._begin_step()
-        if not self._backward_end_queued and torch._C._current_graph_task_id() != -1:  # inside a backward
+        if not self._backward_end_queued and inside:
             self._backward_end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 

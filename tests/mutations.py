@@ -876,6 +876,14 @@ MUTATIONS = {
         "shardtensor/_grad_landing.py", "__call__",
         "        if ref is not None and ref() is grad:\n            return None\n", "",
         ("tests/test_grad_landing.py::test_gradient_hooks_see_the_reduced_gradient",)),
+    "end_of_backward_that_raised_counts_as_ended": Mutation(
+        "shardtensor/_units.py", "_end_of_backward",
+        "            self._tasks.add(task)\n", "",
+        ("tests/test_gather.py::test_a_gradient_hook_that_raised_leaves_no_gradient_for_the_next_step",)),
+    "gatherer_waits_for_a_failed_backwards_end": Mutation(
+        "shardtensor/gather.py", "_note_gather",
+        "            self._backward_ended()\n", "            pass\n",
+        ("tests/test_gather.py::test_a_container_root_replays_its_order_with_bounded_bookkeeping",)),
 }
 
 

@@ -252,6 +252,41 @@ def test_a_failed_backward_leaves_no_half_reduced_gradients(inside_unit, zero_gr
     assert max(run_on_ranks(2, gradients_after_a_failed_backward, inside_unit, zero_grad)) < 1e-6
 
 
+def gradients_after_a_gradient_hook_raised(block: int, gather: str) -> float:
+    """A user's gradient hook on a block's weight raises (a NaN check) during the backward, on every rank; the
+    loop catches it, removes the hook and calls ``zero_grad()``.  In overlapped mode the first block's reduction
+    is the last one finished, inside the end-of-backward callback, after the root unit's reduction was issued:
+    that callback raising left the root's reduction in flight and the backward counted as ended, so the next
+    step's root gradients took the failed step's too (2x off, silently)."""
+    import shardtensor
+
+    model, reference = shardtensor.shard_module(_gpt(), gather=gather), _gpt()
+
+    def nan_check(grad):
+        raise ValueError("non-finite gradient (on purpose)")
+
+    handle = model.blocks[block].fc.weight.register_hook(nan_check)
+    with pytest.raises(ValueError, match="on purpose"):
+        model(*_tokens(0)).backward()
+    handle.remove()
+    model.zero_grad()
+    worst = 0.0
+    for step in (1, 2):  # the step after the failed one, and the one after that
+        model.zero_grad()
+        reference.zero_grad()
+        model(*_tokens(step)).backward()
+        reference(*_tokens(step)).backward()
+        worst = max([worst] + [(p.grad.full_tensor() - q.grad).abs().max().item()
+                               for p, q in zip(model.parameters(), reference.parameters())])
+    return worst
+
+
+@pytest.mark.parametrize("block,gather", [(0, "overlapped"), (1, "overlapped"), (0, "sequential")])
+def test_a_gradient_hook_that_raised_leaves_no_gradient_for_the_next_step(block, gather):
+    # The same batch on every rank: the reference is the unsharded model on it.
+    assert max(run_on_ranks(2, gradients_after_a_gradient_hook_raised, block, gather)) < 1e-6
+
+
 def gatherer_bookkeeping_sizes(steps: int) -> int:
     import shardtensor
 
@@ -276,8 +311,9 @@ def test_gather_bookkeeping_does_not_grow_with_steps(world):
         assert short == long == 0, (short, long)
 
 
-def container_steps(steps: int) -> dict:
-    """A root without a forward (a ModuleDict) whose children are called directly, and nobody marks the steps."""
+def container_steps(steps: int, failed_backward_first: bool = False) -> dict:
+    """A root without a forward (a ModuleDict) whose children are called directly, and nobody marks the steps.
+    ``failed_backward_first``: a backward that raises comes first (its end-of-backward callback never runs)."""
     import shardtensor
 
     torch.manual_seed(0)
@@ -285,6 +321,10 @@ def container_steps(steps: int) -> dict:
     shardtensor.shard_module(model, gather="overlapped", prefetch_bytes=1 << 20)
     gatherer = model._shardtensor.gatherer
     x = torch.randn(4, 6)
+    if failed_backward_first:
+        with pytest.raises(RuntimeError, match="on purpose"):
+            model["b"](_FailingBackward.apply(model["a"](x))).sum().backward()
+        model.zero_grad()
     lengths = []
     for _ in range(steps):
         model["b"](model["a"](x)).sum().backward()
@@ -292,10 +332,12 @@ def container_steps(steps: int) -> dict:
     return {"lengths": lengths, "hits": gatherer.prefetch_hits, "mismatches": gatherer.mismatches}
 
 
-def test_a_container_root_replays_its_order_with_bounded_bookkeeping():
+@pytest.mark.parametrize("failed_backward_first", [False, True])
+def test_a_container_root_replays_its_order_with_bounded_bookkeeping(failed_backward_first):
     # The end of each backward marks the step: the order is recorded once, replayed (prefetching) after that,
     # and the bookkeeping stops growing (before, it grew by one step's gathers per step and never prefetched).
-    for r in run_on_ranks(2, container_steps, 6):
+    # After a backward that raised too (its end callback never ran: no later backward's end was marked).
+    for r in run_on_ranks(2, container_steps, 6, failed_backward_first):
         assert len(set(r["lengths"][1:])) == 1, r
         assert r["hits"] > 0, r
         assert r["mismatches"] == 0, r

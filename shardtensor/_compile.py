@@ -29,3 +29,17 @@ def skip_in_dynamo(fn) -> None:
         return
     skip = frames._FrameAction.SKIP
     frames.set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, frames._FrameExecStrategy(skip, skip))
+
+
+def compile_callees_only(fn) -> None:
+    """Tell Dynamo's frame evaluator to run ``fn``'s own frame as it is, and to compile the frames it calls as
+    usual.  For a wrapper of many callables (one code object, ``_misuse.PickleRefusingHook.__call__``): Dynamo
+    compiles a compiled root module's hooks as frames of their own, and compiled the wrapper's frame once per
+    hook and grad mode, past its recompile limit (a hard failure under ``fullgraph=True``); each hook's own frame
+    is now compiled for itself.  Inside a traced forward (a block's hooks) Dynamo inlines the wrapper as before."""
+    frames = getattr(torch._C, "_dynamo", None)
+    frames = getattr(frames, "eval_frame", None)
+    if frames is None or not hasattr(frames, "set_code_exec_strategy"):
+        return
+    frames.set_code_exec_strategy(getattr(fn, "__func__", fn).__code__,
+                                  frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT))

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -182,12 +183,21 @@ def _cast(local: torch.Tensor, layout: Any) -> torch.Tensor:
     return local.to(dtype) if dtype is not None and local.is_floating_point() and local.dtype != dtype else local
 
 
+_AUTO_WARNED: "weakref.WeakSet" = weakref.WeakSet()  # Gatherers in gather="auto" mode told they compile as overlapped
+
+
 def _unit_gather(param, after: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``param``'s full base tensor from its unit's gather in this phase (see [Note: unit gathers under
     compile]); None where the per-read gather applies."""
     layout, local = param._layout, param._local
     place = _UNIT_OF.get(id(layout))
     unit = _comm_traced.UNITS.get(place[0]) if place is not None else None
+    if unit is not None and unit.gatherer.mode == "auto" and unit.gatherer not in _AUTO_WARNED:
+        _AUTO_WARNED.add(unit.gatherer)
+        warnings.warn("shardtensor: gather='auto' compiles as 'overlapped': a compiled graph's gathers are fixed "
+                      "when it is traced, so it does not switch to sequential gathers when memory runs low. Fix: "
+                      "shard_module(model, gather='sequential') for the lowest peak under torch.compile.",
+                      stacklevel=2)
     if unit is None or not isinstance(local, FunctionalTensor) or not _comm.on_gloo_cpu(local.device, layout.group):
         return None
     key, position = place

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import _comm, _traced, _traced_buckets
+from . import _comm, _compile, _traced, _traced_buckets
 from ._dispatch import implements, views
 from .tensor import ShardedParam
 
@@ -227,6 +227,13 @@ def _reader(name: str):
         return param
 
     return property(read)
+
+
+# After a graph break Dynamo may meet ``read`` as a frame of its own (eager code between compiled regions reads
+# the attribute): compiled alone, it returned the boundary's ShardedParam as a graph output, whose gradient
+# AOTAutograd then refused ("Expected a ShardedParam tangent").  Such a read runs eagerly (the eager gather and
+# gradient hook); inside a traced frame Dynamo still inlines it.
+_compile.compile_callees_only(_reader("").fget)
 
 
 _READING_CLASSES: dict[tuple, type] = {}

@@ -884,6 +884,14 @@ MUTATIONS = {
         "shardtensor/gather.py", "_note_gather",
         "            self._backward_ended()\n", "            pass\n",
         ("tests/test_gather.py::test_a_container_root_replays_its_order_with_bounded_bookkeeping",)),
+    "hook_wrapper_compiled_per_hook": Mutation(
+        "shardtensor/_units.py", "_finish_backward",
+        "_compile.compile_callees_only(_misuse.PickleRefusingHook.__call__)", "",
+        ("tests/test_compile_modes.py::test_compiled_training_with_no_grad_and_inference_mode_evaluations_equals_eager",)),
+    "parameter_read_compiled_alone": Mutation(
+        "shardtensor/_traced_grads.py", "_reader",
+        '_compile.compile_callees_only(_reader("").fget)', "",
+        ("tests/test_compile_modes.py::test_a_graph_break_inside_a_block_trains_as_the_unsharded_model",)),
 }
 
 

@@ -272,6 +272,14 @@ def _sharded_of(optimizer: torch.optim.Optimizer) -> tuple:
     return cached
 
 
+_UNSHARDED: "weakref.WeakSet" = weakref.WeakSet()  # Gatherers of models unshard_module gave back
+
+
+def note_unsharded(gatherer) -> None:
+    """``unshard_module`` gave the model back: an optimizer still stepping its old sharded parameters is named."""
+    _UNSHARDED.add(gatherer)
+
+
 _CHECKS_AT_STEP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Gatherer -> checks_run at a step
 
 
@@ -283,6 +291,12 @@ def _check_models_before_step(optimizer: torch.optim.Optimizer) -> None:
     the middle of the optimizer's loop.  A comparison per model and a type test per parameter else."""
     _, sharded, _, gatherers = _sharded_of(optimizer)
     for gatherer in gatherers:
+        if gatherer in _UNSHARDED:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): this optimizer holds the sharded parameters of a model that "
+                "shardtensor.unshard_module turned back into a plain one; the model's parameters are new tensors "
+                "now, and this step would update none of them. Nothing was updated. Fix: build a new optimizer over "
+                "model.parameters() after unshard_module (or shard_module again and keep this optimizer's model).")
         if gatherer.step_checks is not None and _CHECKS_AT_STEP.get(gatherer, 0) == gatherer.checks_run:
             gatherer.step_checks()
         _CHECKS_AT_STEP[gatherer] = gatherer.checks_run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import _traced_grads
+from . import _misuse_optim, _traced_grads
 from ._sync_switch import SyncSwitch, detach_habits
 from .api import _sharding_state
 from .gather import gather_full
@@ -51,6 +51,7 @@ def unshard_module(module: nn.Module) -> nn.Module:
             "gradient_sync(module, False); run a backward with sync on first"
         )
     state.gatherer.drop_cache()
+    _misuse_optim.note_unsharded(state.gatherer)
     for handle in state.hook_handles:
         handle.remove()
     replaced: dict[int, nn.Parameter] = {}

@@ -359,6 +359,33 @@ def test_unshard_module_gives_plain_model():
         assert all(result), result
 
 
+def stale_optimizer_after_unshard_case() -> tuple:
+    torch.manual_seed(8)
+    model = shardtensor.shard_module(Net().double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(9))
+    _loss(model, idx).backward()
+    opt.step()
+    opt.zero_grad()
+    shardtensor.unshard_module(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _loss(model, idx).backward()
+    with pytest.raises(RuntimeError, match="unshard_module") as refused:
+        opt.step()  # it holds the old sharded parameters: it would update none of the model's
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)
+    fresh.step()  # the fix the message names
+    moved = any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return "new optimizer" in str(refused.value), unchanged, moved
+
+
+def test_an_optimizer_of_the_sharded_parameters_after_unshard_module_is_named():
+    # It was refused with "converted or replaced after shard_module ... move or convert the model before
+    # shard_module", a fix that does not apply.
+    for result in run_on_ranks(2, stale_optimizer_after_unshard_case):
+        assert all(result), result
+
+
 # ---------------------------------------------------------------------------------------------- torch.compile
 def compile_case(world: int) -> tuple:
     import torch._dynamo

@@ -33,6 +33,12 @@ def as_shards(state: dict, param: torch.Tensor) -> dict:
             for key, value in state.items()}
 
 
+def snapshot(state: dict) -> dict:
+    """``state`` with its tensors copied.  A speculative CPUAdam's worker steps the live moments at the next
+    backward even if ``step()`` is never called again: an optimizer that loaded them (replacing it) saw them move."""
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
 def local_rows(optimizer_name: str, states: list) -> list:
     """The given per-parameter states (``(param, state)``) with shards replaced by this rank's rows.  A shard of
     another rank or world size is refused on every rank, before anything is loaded (one flag all-reduce, only

@@ -69,7 +69,7 @@ from ._batched import BatchedStepsMixin
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
     local_of, self_mastered, stage_grad
 from ._speculation import SpecPhase, SpeculationMixin
-from ._state_shards import as_shards, full_optimizer_state_for_torch_helpers, local_rows
+from ._state_shards import as_shards, full_optimizer_state_for_torch_helpers, local_rows, snapshot
 from .state_store import MOMENTS, HostStore, StateStore
 
 __all__ = ["CPUAdam", "SpeculationStats"]
@@ -364,8 +364,8 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         for i, state in list(sd["state"].items()):
             slot = self._slots.get(id(params[i]))
             copies = self._store.export(slot.index) if slot is not None else None
-            # A new dict: torch packs the live per-parameter dicts, which must keep the store's tensors.
-            sd["state"][i] = as_shards({**state, **(copies or {})}, params[i])
+            # A new dict (torch packs the live ones, which keep the store's tensors); copies where speculating.
+            sd["state"][i] = as_shards((snapshot if self.speculative else dict)({**state, **(copies or {})}), params[i])
         return full_optimizer_state_for_torch_helpers(self, sd)  # torch's full_state_dict helpers: full tensors
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -375,10 +375,10 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         rows = local_rows(type(self).__name__, [(p, state_dict["state"].get(i, {})) for p, i in zip(params, indices)])
         given = {id(p): state for p, state in rows}
         self._abandon_speculation()
-        self._store.reset()
         state_dict = {**state_dict, "state": {**state_dict["state"], **{
             i: state for i, (_, state) in zip(indices, rows) if i in state_dict["state"]}}}
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # (torch's checks first: a refused load leaves the store as it was)
+        self._store.reset()
         for p, state in self.state.items():
             for key in (*MOMENTS, "master"):
                 if key in state:

@@ -637,3 +637,60 @@ def test_speculative_steps_of_unit_parameters_stand():
         assert stats["speculated_params"] > 0 and stats["rolled_back_params"] == 0, stats
         assert stats["committed_steps"] == stats["steps"] == 4, stats
         assert r["diff"] <= 1e-6, r
+
+
+def test_a_cpu_adam_replaced_through_its_state_dict_no_longer_moves_that_state():
+    # A speculative CPUAdam whose state is loaded into another optimizer, and which is dropped without close():
+    # its hooks kept it alive and its worker kept stepping the live moments it had handed out (0.02 off AdamW).
+    import gc
+
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # noqa: E731
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)) for _ in range(6)]
+    torch.manual_seed(0)
+    reference = build()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    torch.manual_seed(0)
+    model = build()
+    opt = CPUAdam(model.parameters(), lr=0.05, speculative=True)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            state = opt.state_dict()
+            del opt
+            gc.collect()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            opt.load_state_dict(state)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nvme", [False, True])
+def test_a_load_torch_refuses_leaves_the_optimizer_stepping_as_before(nvme, tmp_path):
+    # NVMeCPUAdam's store was reset before torch's checks refused the state dict: the next step died with a
+    # bare KeyError from the swap planner.
+    from shardtensor.offload import NVMeCPUAdam, NVMeOffload
+
+    def run(refused_load: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 3))
+        opt = (NVMeCPUAdam(model.parameters(), NVMeOffload(str(tmp_path / f"swap{int(refused_load)}")), lr=0.01,
+                           speculative=False) if nvme else CPUAdam(model.parameters(), lr=0.01, speculative=False))
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            ((model(torch.randn(5, 16, generator=gen)) - torch.randn(5, 3, generator=gen)) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0 and refused_load:
+                state = opt.state_dict()
+                group = {**state["param_groups"][0], "params": state["param_groups"][0]["params"][:-1]}
+                with pytest.raises(ValueError, match="size"):
+                    opt.load_state_dict({**state, "param_groups": [group]})
+        return [p.detach().clone() for p in model.parameters()]
+
+    for p, q in zip(run(True), run(False)):
+        assert torch.equal(p, q)

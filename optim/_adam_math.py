@@ -188,3 +188,17 @@ def sq_norms(grads: list[torch.Tensor]) -> list[float]:
     if not grads:
         return []
     return [float(n) ** 2 for n in torch._foreach_norm(grads)]
+
+
+def refuse_variants(groups: list, where: str) -> None:
+    """CPUAdam runs AdamW's plain update: a param group asking for a variant it does not implement (given to the
+    constructor or ``add_param_group``, or loaded from torch's Adam/AdamW state dict) is refused before anything
+    changes, not stepped silently as plain AdamW."""
+    for index, group in enumerate(groups):
+        asked = [key for key in ("amsgrad", "maximize") if group.get(key)]
+        if group.get("decoupled_weight_decay") is False and group.get("weight_decay", 0) != 0:
+            asked.append("decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay)")
+        if asked:
+            raise ValueError(f"CPUAdam.{where}: param group {index} asks for {', '.join(asked)}, which CPUAdam "
+                             "does not implement (its update is AdamW's: decoupled weight decay, no amsgrad, "
+                             "minimising). Fix: drop those settings, or step these parameters with torch.optim.AdamW.")

@@ -64,7 +64,7 @@ import torch
 
 from shardtensor.ops import adamw_cpu_kernel_status
 
-from ._adam_math import finite_checks, hyper_of, sq_norms
+from ._adam_math import finite_checks, hyper_of, refuse_variants, sq_norms
 from ._batched import BatchedStepsMixin
 from ._slots import LastStep, Slot, SpeculationStats, global_norm, grad_key, host_grad, hypers, is_sharded, \
     local_of, self_mastered, stage_grad
@@ -147,6 +147,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
     # ------------------------------------------------------------------ setup
 
     def add_param_group(self, param_group: dict) -> None:
+        refuse_variants([param_group], "add_param_group")
         super().add_param_group(param_group)
         self._groups_by_id = None
         for p in self.param_groups[-1]["params"]:
@@ -192,13 +193,11 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         """Squared norms when clipping needs them; else only finiteness (0.0 / inf); else nothing (0.0)."""
         if self.max_grad_norm is not None:
             return sq_norms(grads)
-        if self.skip_nonfinite:
-            return finite_checks(grads)
-        return [0.0] * len(grads)
+        return finite_checks(grads) if self.skip_nonfinite else [0.0] * len(grads)
 
     def _paused(self) -> bool:
-        return self._rewritten_after_hooks or (self.max_grad_norm is not None and
-                                               self._clip_streak >= self.clip_patience)
+        clipping_streak = self.max_grad_norm is not None and self._clip_streak >= self.clip_patience
+        return self._rewritten_after_hooks or clipping_streak
 
     # ------------------------------------------------------------------ step
 
@@ -370,6 +369,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load; state re-homed on the CPU in fp32 from the given tensors (the base class casts to a bf16 param's)."""
+        refuse_variants(state_dict["param_groups"], "load_state_dict")
         params = [p for g in self.param_groups for p in g["params"]]
         indices = [i for g in state_dict["param_groups"] for i in g["params"]]
         rows = local_rows(type(self).__name__, [(p, state_dict["state"].get(i, {})) for p, i in zip(params, indices)])

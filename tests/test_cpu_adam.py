@@ -694,3 +694,29 @@ def test_a_load_torch_refuses_leaves_the_optimizer_stepping_as_before(nvme, tmp_
 
     for p, q in zip(run(True), run(False)):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("variant", [{"maximize": True}, {"amsgrad": True},
+                                     {"decoupled_weight_decay": False, "weight_decay": 0.1}])
+def test_adam_variants_cpu_adam_does_not_implement_are_refused_not_stepped_as_adamw(variant):
+    # A param group asking for them (or a torch Adam/AdamW state dict holding them) was stepped as plain AdamW.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=next(iter(variant))):
+        CPUAdam([{"params": model.parameters(), **variant}], speculative=False)
+    opt = CPUAdam(model.parameters(), lr=0.01, speculative=False)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = opt.state_dict()
+    torch_adam = torch.optim.Adam(model.parameters(), lr=0.01, **variant)
+    torch_adam.step()
+    with pytest.raises(ValueError, match=next(iter(variant))):
+        opt.load_state_dict(torch_adam.state_dict())
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for i, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][i][key], value), key
+    fine = torch.optim.AdamW(model.parameters(), lr=0.01)  # the variant it implements still loads
+    fine.step()
+    opt.load_state_dict(fine.state_dict())

@@ -83,15 +83,15 @@ class Muon:
         embeddings = _embedding_weights(module)
         if use_muon is None:
             use_muon = lambda name, p: p.dim() == 2 and id(p) not in embeddings  # noqa: E731
-        self._params: list[torch.Tensor] = []  # every trainable parameter (zero_grad clears them all)
+        # Every parameter, frozen ones too: as torch's optimizers, a layer unfrozen later (staged fine-tuning) is
+        # stepped once it has a gradient (a parameter without one is skipped by the stock optimizers).
+        self._params: list[torch.Tensor] = []  # (zero_grad clears them all)
         self._proxies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (owned parameter, the tensor stepped)
         self._owned_names: list[str] = []  # saved with the state: a file records whose it is
         self._placement: tuple = (0, 1, None)  # (rank, world, group) of the layer-wise placement
         muon_locals: list[torch.Tensor] = []
         adamw_locals: list[torch.Tensor] = []
         for name, p in module.named_parameters():
-            if not p.requires_grad:
-                continue
             self._params.append(p)
             to_muon = use_muon(name, p)
             if to_muon and p.dim() != 2:

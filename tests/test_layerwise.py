@@ -71,6 +71,34 @@ def _muon_reference(model: nn.Module, lr: float, adamw_lr: float):
                                                             weight_decay=0.0)]
 
 
+def muon_unfreeze_case(frozen_at_build: bool) -> dict:
+    """Layer-wise Muon built while ``ff`` is frozen (staged fine-tuning), unfrozen before the first step."""
+    import shardtensor
+    from shardtensor import _comm
+    from shardtensor.optim import Muon
+
+    model = shardtensor.shard_module(_build(3), placement="layerwise")
+    model.ff.requires_grad_(not frozen_at_build)
+    opt = Muon(model, lr=0.02, adamw_lr=0.02)
+    model.ff.requires_grad_(True)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        idx, target = _micro_batches(gen, _comm.world_size())[_comm.rank()]
+        _loss(model, idx, target).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+
+
+def test_muon_steps_a_layer_frozen_when_it_was_built_once_it_is_unfrozen():
+    # As torch's optimizers do.  It never stepped it, and never cleared its gradient: the gradient grew each step,
+    # and inflated any global clipping norm.
+    for built_frozen, built_unfrozen in zip(run_on_ranks(2, muon_unfreeze_case, True),
+                                           run_on_ranks(2, muon_unfreeze_case, False)):
+        for key, value in built_unfrozen.items():
+            assert torch.equal(built_frozen[key], value), key
+
+
 # ---------------------------------------------------------------------------------------------- per rank
 def train_layerwise(case: dict) -> dict:
     """Runs on every rank: layer-wise training vs the unsharded reference; the max parameter difference."""

@@ -166,7 +166,10 @@ class Channel:
     def _copy_out(self, dest: torch.Tensor, offset: int, add: bool) -> int:
         nbytes = dest.numel() * dest.element_size()
         source = self.bytes[offset: offset + nbytes].view(dest.dtype).view(dest.shape)
-        dest.add_(source) if add else dest.copy_(source)
+        # A gather issued inside inference mode (a prefetch its forward never took: an evaluation that stopped
+        # early) fills inference tensors, which only inference mode may write; it is taken by a later collective.
+        with torch.inference_mode(dest.is_inference()):
+            dest.add_(source) if add else dest.copy_(source)
         return offset + nbytes
 
     def _pending(self, work: "ChannelWork") -> "ChannelWork":

@@ -287,6 +287,39 @@ def test_a_gradient_hook_that_raised_leaves_no_gradient_for_the_next_step(block,
     assert max(run_on_ranks(2, gradients_after_a_gradient_hook_raised, block, gather)) < 1e-6
 
 
+def gradients_after_an_inference_mode_forward_stopped_early() -> float:
+    """An evaluation under ``torch.inference_mode()`` that stops after the first block (a hook raising on every
+    rank; reading a middle layer's features does the same): the next block's prefetched gather, issued inside
+    inference mode, was never taken.  Its buffers were inference tensors, and the shared-memory channel's copy
+    into them, at the next collective outside inference mode, raised there and at every collective after it."""
+    import shardtensor
+
+    model, reference = shardtensor.shard_module(_gpt(), gather="overlapped"), _gpt()
+    model(*_tokens(0)).backward()  # a step records the order: the eval's forward then prefetches
+    model.zero_grad()
+
+    def stop(module, args, output):
+        raise ValueError("evaluation stopped (on purpose)")
+
+    handle = model.blocks[0].register_forward_hook(stop)
+    with torch.inference_mode(), pytest.raises(ValueError, match="on purpose"):
+        model(*_tokens(1))
+    handle.remove()
+    worst = 0.0
+    for step in (2, 3):
+        model.zero_grad()
+        reference.zero_grad()
+        model(*_tokens(step)).backward()
+        reference(*_tokens(step)).backward()
+        worst = max([worst] + [(p.grad.full_tensor() - q.grad).abs().max().item()
+                               for p, q in zip(model.parameters(), reference.parameters())])
+    return worst
+
+
+def test_training_goes_on_after_an_inference_mode_forward_that_stopped_early():
+    assert max(run_on_ranks(2, gradients_after_an_inference_mode_forward_stopped_early)) < 1e-6
+
+
 def gatherer_bookkeeping_sizes(steps: int) -> int:
     import shardtensor
 

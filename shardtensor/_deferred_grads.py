@@ -77,6 +77,16 @@ class DeferredGradients:
         _grad_edits.forget_holder(param)
         return kept
 
+    def pop_deferred(self, param) -> Optional[torch.Tensor]:
+        """``param``'s deferred sum if this synced backward has not taken it (it did not reach the parameter on
+        this rank), popped as ``take_deferred`` gives it; None if there is none."""
+        owners = self.__dict__.get("_deferred_owner", {})
+        key = next((k for k in self._deferred if k in owners and owners[k][0] is param), None)
+        if key is None:
+            return None
+        owners.pop(key)
+        return self.take_deferred(key, self._deferred.pop(key), param)
+
     def deferred_at(self, key: str) -> int:
         """When ``key``'s gradient was last deferred (``_grad_edits.deferral_stamp``)."""
         return self._deferred_at.get(key, 0)

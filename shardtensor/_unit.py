@@ -168,6 +168,8 @@ class _Unit:
         (it reduce-scattered zeros once per unit and micro-batch)."""
         if not self.grad_sync.enabled and not self.grads and self.flat is None:
             return
+        if self.grad_sync.enabled and self.grad_sync._deferred:
+            self._take_deferred()
         strategy = self.grad_sync.strategy
         if self.flat is not None and self.flat.dtype == flat_dtype(self.params, strategy):
             flat, self.flat = self.flat, None
@@ -196,6 +198,16 @@ class _Unit:
                     shards.append(strategy.reduce_grad(g, p._layout, key=p._name, dtype=p.dtype, owned=True,
                                                        overlap=False))
         self._accumulate(shards, flags, owned)
+
+    def _take_deferred(self) -> None:
+        """Gradients ``gradient_sync(model, False)`` deferred for parameters this synced backward did not reach on
+        this rank (an expert only an earlier micro-batch was routed to) go into this reduction: every rank reduces
+        the unit, whatever its data.  Reduced apart, at the backward's end, each rank's own deferred experts were
+        a divergence."""
+        for position, param in enumerate(self.params):
+            kept = self.grad_sync.pop_deferred(param)
+            if kept is not None:
+                self.stash(position, kept, owned=True)
 
     def _accumulate(self, shards: list[torch.Tensor], flags: torch.Tensor, owned: bool = True) -> None:
         """``owned``: nobody else holds the shards (``reduce_exact``'s means), so each can become ``.grad``;

@@ -896,6 +896,10 @@ MUTATIONS = {
         "shardtensor/_comm_shm.py", "_copy_out",
         "with torch.inference_mode(dest.is_inference()):", "if True:",
         ("tests/test_gather.py::test_training_goes_on_after_an_inference_mode_forward_that_stopped_early",)),
+    "deferred_unit_gradients_reduced_apart": Mutation(
+        "shardtensor/_unit.py", "reduce",
+        "            self._take_deferred()\n", "            pass\n",
+        ("tests/test_units.py::test_experts_reached_in_a_deferred_micro_batch_only_are_reduced_with_their_unit",)),
 }
 
 

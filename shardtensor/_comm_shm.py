@@ -166,9 +166,10 @@ class Channel:
     def _copy_out(self, dest: torch.Tensor, offset: int, add: bool) -> int:
         nbytes = dest.numel() * dest.element_size()
         source = self.bytes[offset: offset + nbytes].view(dest.dtype).view(dest.shape)
-        # A gather issued inside inference mode (a prefetch its forward never took: an evaluation that stopped
-        # early) fills inference tensors, which only inference mode may write; it is taken by a later collective.
-        with torch.inference_mode(dest.is_inference()):
+        if dest.is_inference():  # a gather issued inside inference mode (a prefetch its forward never took: an
+            with torch.inference_mode():  # evaluation that stopped early), taken by a later collective outside it
+                dest.add_(source) if add else dest.copy_(source)
+        else:  # (a normal tensor may be written inside inference mode too: no context on the hot path)
             dest.add_(source) if add else dest.copy_(source)
         return offset + nbytes
 

@@ -21,14 +21,20 @@ from __future__ import annotations
 import torch
 
 
-def skip_in_dynamo(fn) -> None:
-    """Tell Dynamo's frame evaluator never to trace ``fn`` or anything it calls (no ``torch._dynamo`` import)."""
+def _set_frame_strategy(fn, callees_too: bool) -> None:
+    """Dynamo's frame evaluator runs ``fn``'s frame as it is (and, ``callees_too``, every frame it calls)."""
     frames = getattr(torch._C, "_dynamo", None)
     frames = getattr(frames, "eval_frame", None)
     if frames is None or not hasattr(frames, "set_code_exec_strategy"):  # older torch: compile may trace into us
         return
-    skip = frames._FrameAction.SKIP
-    frames.set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, frames._FrameExecStrategy(skip, skip))
+    action = frames._FrameAction
+    callees = action.SKIP if callees_too else action.DEFAULT
+    frames.set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, frames._FrameExecStrategy(action.SKIP, callees))
+
+
+def skip_in_dynamo(fn) -> None:
+    """Tell Dynamo's frame evaluator never to trace ``fn`` or anything it calls (no ``torch._dynamo`` import)."""
+    _set_frame_strategy(fn, callees_too=True)
 
 
 def compile_callees_only(fn) -> None:
@@ -37,9 +43,4 @@ def compile_callees_only(fn) -> None:
     compiles a compiled root module's hooks as frames of their own, and compiled the wrapper's frame once per
     hook and grad mode, past its recompile limit (a hard failure under ``fullgraph=True``); each hook's own frame
     is now compiled for itself.  Inside a traced forward (a block's hooks) Dynamo inlines the wrapper as before."""
-    frames = getattr(torch._C, "_dynamo", None)
-    frames = getattr(frames, "eval_frame", None)
-    if frames is None or not hasattr(frames, "set_code_exec_strategy"):
-        return
-    frames.set_code_exec_strategy(getattr(fn, "__func__", fn).__code__,
-                                  frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT))
+    _set_frame_strategy(fn, callees_too=False)

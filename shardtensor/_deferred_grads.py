@@ -81,8 +81,8 @@ class DeferredGradients:
         """``param``'s deferred sum if this synced backward has not taken it (it did not reach the parameter on
         this rank), popped as ``take_deferred`` gives it; None if there is none."""
         owners = self.__dict__.get("_deferred_owner", {})
-        key = next((k for k in self._deferred if k in owners and owners[k][0] is param), None)
-        if key is None:
+        key = param._name  # (its gradient hook's key: ``attach(..., key=fqn)``)
+        if key not in self._deferred or key not in owners or owners[key][0] is not param:
             return None
         owners.pop(key)
         return self.take_deferred(key, self._deferred.pop(key), param)

@@ -894,7 +894,7 @@ MUTATIONS = {
         ("tests/test_compile_modes.py::test_a_graph_break_inside_a_block_trains_as_the_unsharded_model",)),
     "channel_writes_inference_tensors_outside_inference_mode": Mutation(
         "shardtensor/_comm_shm.py", "_copy_out",
-        "with torch.inference_mode(dest.is_inference()):", "if True:",
+        "            with torch.inference_mode():", "            if True:",
         ("tests/test_gather.py::test_training_goes_on_after_an_inference_mode_forward_that_stopped_early",)),
     "deferred_unit_gradients_reduced_apart": Mutation(
         "shardtensor/_unit.py", "reduce",

@@ -252,6 +252,19 @@ def test_a_failed_backward_leaves_no_half_reduced_gradients(inside_unit, zero_gr
     assert max(run_on_ranks(2, gradients_after_a_failed_backward, inside_unit, zero_grad)) < 1e-6
 
 
+def _worst_gradient_difference(model, reference, steps: tuple) -> float:
+    """Backwards on ``_tokens(step)`` for each step, from zero gradients: the largest gradient difference seen."""
+    worst = 0.0
+    for step in steps:
+        model.zero_grad()
+        reference.zero_grad()
+        model(*_tokens(step)).backward()
+        reference(*_tokens(step)).backward()
+        worst = max([worst] + [(p.grad.full_tensor() - q.grad).abs().max().item()
+                               for p, q in zip(model.parameters(), reference.parameters())])
+    return worst
+
+
 def gradients_after_a_gradient_hook_raised(block: int, gather: str) -> float:
     """A user's gradient hook on a block's weight raises (a NaN check) during the backward, on every rank; the
     loop catches it, removes the hook and calls ``zero_grad()``.  In overlapped mode the first block's reduction
@@ -270,15 +283,7 @@ def gradients_after_a_gradient_hook_raised(block: int, gather: str) -> float:
         model(*_tokens(0)).backward()
     handle.remove()
     model.zero_grad()
-    worst = 0.0
-    for step in (1, 2):  # the step after the failed one, and the one after that
-        model.zero_grad()
-        reference.zero_grad()
-        model(*_tokens(step)).backward()
-        reference(*_tokens(step)).backward()
-        worst = max([worst] + [(p.grad.full_tensor() - q.grad).abs().max().item()
-                               for p, q in zip(model.parameters(), reference.parameters())])
-    return worst
+    return _worst_gradient_difference(model, reference, steps=(1, 2))  # the next step, and the one after
 
 
 @pytest.mark.parametrize("block,gather", [(0, "overlapped"), (1, "overlapped"), (0, "sequential")])
@@ -305,15 +310,7 @@ def gradients_after_an_inference_mode_forward_stopped_early() -> float:
     with torch.inference_mode(), pytest.raises(ValueError, match="on purpose"):
         model(*_tokens(1))
     handle.remove()
-    worst = 0.0
-    for step in (2, 3):
-        model.zero_grad()
-        reference.zero_grad()
-        model(*_tokens(step)).backward()
-        reference(*_tokens(step)).backward()
-        worst = max([worst] + [(p.grad.full_tensor() - q.grad).abs().max().item()
-                               for p, q in zip(model.parameters(), reference.parameters())])
-    return worst
+    return _worst_gradient_difference(model, reference, steps=(2, 3))
 
 
 def test_training_goes_on_after_an_inference_mode_forward_that_stopped_early():

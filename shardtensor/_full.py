@@ -23,9 +23,25 @@ def gather_now(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return buffer[: layout.shape[0]]
 
 
+def gather_label(param: ShardedParam) -> str:
+    """Names what a gather carries in the identity check: the parameter (or a view of it: they carry its
+    Gatherer), or a tensor computed from it.  A gradient keeps its parameter's name, so with one label
+    ``p.grad.full_tensor()`` on rank 0 alone (a debugging print) met the next forward's gather of ``p`` on the
+    other ranks, and their forward ran on rank 0's gradient rows, silently."""
+    if param._gatherer is not None:
+        return f"all-gather of {param._name!r}"
+    return f"all-gather of a tensor computed from {param._name!r} (a gradient, optimizer state or op result)"
+
+
+def gather_derived(param: ShardedParam) -> torch.Tensor:
+    """The base tensor of ``param`` (one with no Gatherer) gathered now, labelled as such."""
+    with _comm.labelled(gather_label(param)):
+        return gather_now(param._local, param._layout)
+
+
 def gather_full(param: ShardedParam) -> torch.Tensor:
     """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
-    with _comm.labelled(f"all-gather of {param._name!r}"):
+    with _comm.labelled(gather_label(param)):
         return apply_views(gather_now(param._local, param._layout), param._views)
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _comm, _frames, _grad_landing
+from . import _comm, _grad_landing
+from ._hooks import DEEPCOPY_REFUSAL, PICKLE_REFUSAL, PickleRefusingHook  # noqa: F401  (re-exported)
 from ._agreement import _sample_digest, take_rank0_values
 
 log = logging.getLogger("shardtensor")
@@ -337,44 +337,7 @@ def check_no_new_parameters(module: nn.Module, known: set) -> None:
                 "local can be frozen (requires_grad=False).")
 
 
-# ------------------------------------------------------------------------------------------- copies and wrappers
-DEEPCOPY_REFUSAL = ("copy.deepcopy of a module sharded by shardtensor.shard_module is not supported: its gradient "
-                    "hooks and gather schedule belong to the original, so the copy's gradients would silently stop "
-                    "being averaged across ranks. Fix: deepcopy before shard_module and shard the copy, or build a "
-                    "fresh model, shard it, and load shardtensor.full_state_dict(model) into it. (copy.deepcopy of "
-                    "a single ShardedParam is supported: it copies the shard.)")
-
-
-class PickleRefusingHook:
-    """The root forward pre-hook ``shard_module`` registers.  Pickling the model (``torch.save(model)``) reaches
-    it first; a closure failed there with "Can't pickle local object", naming neither the cause nor the fix."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        if _frames.inside("__init__", "swa_utils"):  # AveragedModel deep-copies the module it is given
-            raise TypeError(DEEPCOPY_REFUSAL + " torch.optim.swa_utils.AveragedModel deep-copies its module: build "
-                            "it before shard_module (ema = AveragedModel(model); shard_module(model); "
-                            "shard_module(ema)), then update_parameters(model) as usual.")
-        raise TypeError(DEEPCOPY_REFUSAL)
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(PICKLE_REFUSAL)
-
-
-PICKLE_REFUSAL = ("pickling a module sharded by shardtensor.shard_module (torch.save(model), pickle.dumps(model)) is"
-                  " not supported: its gradient hooks and gather schedule belong to this process and its ranks. Fix:"
-                  " save the state instead: shardtensor.save_checkpoint(dir, model, opt), or state = shardtensor."
-                  "full_state_dict(model, rank0_only=True) on every rank and torch.save(state, f) on rank 0; to "
-                  "restore, build the model, shard it and load the state.")
-
-
+# ------------------------------------------------------------------------------------------- wrappers
 class RefuseDDP:
     """Set as the sharded root's ``_ddp_params_and_buffers_to_ignore``, the attribute DistributedDataParallel reads
     (and only it) when it wraps a module.  DDP over a sharded model averaged the ranks' *different* gradient rows

@@ -327,7 +327,8 @@ def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_s
     units = UnitSet(root, modules, gatherer, grad_sync)
     if not units.units or all(u.params[0]._layout.world == 1 for u in units.units):
         return None
-    handles.append(root.register_forward_pre_hook(units.step_begin))  # before a root unit's own hook
+    # (before a root unit's own hook)
+    handles.append(root.register_forward_pre_hook(_misuse.PickleRefusingHook(units.step_begin)))
     units.attach(modules, handles)
     grad_sync.units = units
     if gatherer.mode is not GatherMode.SEQUENTIAL:

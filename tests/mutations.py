@@ -900,6 +900,22 @@ MUTATIONS = {
         "shardtensor/_unit.py", "reduce",
         "            self._take_deferred()\n", "            pass\n",
         ("tests/test_units.py::test_experts_reached_in_a_deferred_micro_batch_only_are_reduced_with_their_unit",)),
+    "reduction_unlabelled": Mutation(
+        "shardtensor/_dispatch/reductions.py", "_reduce_partials",
+        "            _all_reduce_keep_nan(partials, group, op, label)", "            _all_reduce_keep_nan(partials, group, op, '')",
+        ("tests/test_divergence.py::test_a_read_on_rank_0_only_is_not_paired_with_another_read_of_one_size",)),
+    "derived_gather_labelled_as_its_parameter": Mutation(
+        "shardtensor/_full.py", "gather_label",
+        "    if param._gatherer is not None:", "    if True:",
+        ("tests/test_divergence.py::test_a_read_on_rank_0_only_is_not_paired_with_another_read_of_one_size",)),
+    "hooks_inside_user_dispatch_modes": Mutation(
+        "shardtensor/_hooks.py", "__call__",
+        "        with outside_user_dispatch_modes():", "        with contextlib.nullcontext():",
+        ("tests/test_composability.py::test_selective_activation_checkpointing_equals_unsharded",)),
+    "copy_source_not_broadcast": Mutation(
+        "shardtensor/_dispatch/_common.py", "_broadcast_source",
+        "        if torch.broadcast_shapes(src.shape, dst.shape) == dst.shape:", "        if src.dim() == 0:",
+        ("tests/test_row_writes.py::test_indexed_writes_equal_the_same_writes_on_plain_tensors",)),
 }
 
 

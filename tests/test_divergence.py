@@ -383,6 +383,47 @@ def test_code_under_if_rank_0_that_reads_sharded_tensors_is_named_on_every_rank(
         assert out["seconds"] < 30, (rank, out["seconds"])  # the identity check, not the collective timeout
 
 
+def lone_read_then_another(lone: str, common: str, mode: str) -> dict:
+    """A read of a sharded tensor only rank 0 runs (a debugging print), then another one every rank runs, of the
+    same kind and size: only their labels (the op, the parameter and whether it is the parameter itself or a
+    tensor computed from it, such as its gradient) tell them apart."""
+    import torch.distributed as dist
+
+    import shardtensor
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 5)), gather=mode)
+    x = torch.randn(2, 5)
+    model(x).sum().backward()
+    w = model[0].weight
+    ops = {"w.norm()": lambda: w.norm(), "w.sum()": lambda: w.sum(), "w.mean()": lambda: w.mean(),
+           "other.sum()": lambda: model[1].weight.sum(), "w.grad.full_tensor()": lambda: w.grad.full_tensor(),
+           "(w * 2).full_tensor()": lambda: (w * 2).full_tensor(), "x @ w.grad.T": lambda: x @ w.grad.T,
+           "forward": lambda: model(x)}
+
+    def run():
+        with torch.no_grad():
+            if dist.get_rank() == 0:
+                ops[lone]().sum().item()
+            ops[common]().sum().item()
+
+    return _outcome(run)
+
+
+@pytest.mark.parametrize("lone, common, mode", [
+    ("w.norm()", "w.sum()", "sequential"), ("w.sum()", "w.mean()", "sequential"),
+    ("w.sum()", "other.sum()", "sequential"), ("w.grad.full_tensor()", "forward", "sequential"),
+    ("w.grad.full_tensor()", "forward", "overlapped"), ("(w * 2).full_tensor()", "forward", "overlapped"),
+    ("x @ w.grad.T", "forward", "sequential")])
+def test_a_read_on_rank_0_only_is_not_paired_with_another_read_of_one_size(lone, common, mode):
+    lone_label = {"w.norm()": "linalg_vector_norm of '0.weight'", "w.sum()": "sum of '0.weight'"}.get(
+        lone, "a tensor computed from '0.weight'")
+    for rank, out in enumerate(run_on_ranks(2, lone_read_then_another, lone, common, mode, timeout=120)):
+        assert out["error"] == "DivergenceError", (rank, out)
+        assert "on every rank" in out["message"], (rank, out["message"])
+        assert lone_label in out["message"], (rank, out["message"])  # at the lone read, not some later collective
+
+
 def scheduler_on_rank_0_only(where: str) -> dict:
     """An LR scheduler stepped inside a logging block on rank 0: the ranks take as many optimizer steps, but rank
     0's rows move by another learning rate from then on (a silent patchwork, also under DDP's replicas)."""

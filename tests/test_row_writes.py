@@ -1,5 +1,6 @@
 """Indexed writes into sharded tensors (``w[ids] = v``, ``w[ids, col] = 0``, masks, ``index_fill_``,
-``index_copy_``, ``masked_fill_``, ``nn.init.sparse_`` through them, a gradient's rows zeroed) equal the same
+``index_copy_``, ``masked_fill_``, ``nn.init.sparse_`` through them, a gradient's rows zeroed, a ``copy_`` whose
+source broadcasts) equal the same
 writes on plain tensors at world 1, 2 and 4; indices that differ between ranks are refused on every rank before
 anything is written.  (They were all refused with ShardedOpError, and ``sparse_`` left its draw written.)"""
 
@@ -14,7 +15,7 @@ from rank_pool import run_on_ranks
 
 KINDS = ["rows_scalar", "rows_values", "rows_accumulate", "row_and_col", "bool_rows", "bool_full", "cols_values",
          "index_fill_0", "index_fill_1", "index_copy_0", "index_copy_1", "masked_fill_full", "masked_fill_rows",
-         "sparse_", "grad_rows"]
+         "sparse_", "grad_rows", "copy_row", "copy_1xn", "copy_column", "copy_flat_view_one"]
 
 
 def write(kind: str, w: torch.Tensor, seed: int) -> None:
@@ -50,6 +51,14 @@ def write(kind: str, w: torch.Tensor, seed: int) -> None:
         w.masked_fill_(torch.rand(rows, cols, generator=gen) < 0.3, 5.0)
     elif kind == "masked_fill_rows":
         w.masked_fill_(torch.rand(rows, 1, generator=gen) < 0.5, 6.0)
+    elif kind == "copy_row":  # copy_ broadcasts its source, as torch's does (it was refused)
+        w.copy_(values[0])
+    elif kind == "copy_1xn":
+        w.copy_(values[:1])
+    elif kind == "copy_column":
+        w.copy_(torch.randn(rows, 1, generator=gen, dtype=w.dtype))
+    elif kind == "copy_flat_view_one":
+        w.view(-1).copy_(values[0, :1])
     elif kind == "sparse_":
         torch.manual_seed(seed)
         torch.nn.init.sparse_(w, 0.4)

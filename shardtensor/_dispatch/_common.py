@@ -193,3 +193,17 @@ def _rows_of(target) -> Optional[torch.Tensor]:
             return None
         local, dims = step.apply(local), dims - (step.func is aten.select.int)
     return local
+
+
+def _broadcast_source(src: torch.Tensor, dst, where: str = "") -> torch.Tensor:
+    """``src`` expanded to ``dst``'s shape, as torch's ``copy_`` broadcasts it (a row into every row, a 0-d value
+    everywhere), or a ValueError naming both shapes."""
+    if src.shape == dst.shape:
+        return src
+    try:
+        if torch.broadcast_shapes(src.shape, dst.shape) == dst.shape:
+            return src.expand(dst.shape)
+    except RuntimeError:
+        pass
+    raise ValueError(f"copy_ into {where}ShardedParam {dst._name!r}: source shape {tuple(src.shape)} does not "
+                     f"broadcast to {tuple(dst.shape)}")

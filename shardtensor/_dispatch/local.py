@@ -21,9 +21,9 @@ from .._full import gather_full
 from .._layout import ShardLayout, view_geometry
 from ..tensor import ShardedParam
 from ._common import (
-    _WRITTEN_BY_ID, OpFamily, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs, _mark_written,
-    _params_in, _rows_of, _to_local, _wrap_like, _written_args, _written_params, _written_shards_and_plain, aten,
-    implements,
+    _WRITTEN_BY_ID, OpFamily, _broadcast_source, _chain_is_bijective, _leaves, _localizable, _map_args, _map_kwargs,
+    _mark_written, _params_in, _rows_of, _to_local, _wrap_like, _written_args, _written_params,
+    _written_shards_and_plain, aten, implements,
 )
 from .compute import _backward_temporaries, _write_back, compute
 from .refusals import _refuse
@@ -306,11 +306,8 @@ def _copy(func, args, kwargs):
             if _write_dim0_rows(func, args, kwargs):  # a scalar into rows (nn.init.dirac_'s w[i, j, k] = 1)
                 return dst
             _refuse(func, args, kwargs, "the destination is a view of a shard")
-        src = gather_full(src) if isinstance(src, ShardedParam) else src
-        if src.shape != dst.shape and src.dim() != 0:
-            raise ValueError(f"copy_ into a view of ShardedParam {dst._name!r}: source shape {tuple(src.shape)} "
-                             f"!= view shape {tuple(dst.shape)}")
-        _copy(func, (dst._derived(dst._local, views=()), src.expand(dst.shape).reshape(dst._layout.shape)), {})
+        src = _broadcast_source(gather_full(src) if isinstance(src, ShardedParam) else src, dst, "a view of ")
+        _copy(func, (dst._derived(dst._local, views=()), src.reshape(dst._layout.shape)), {})
         return dst
     if isinstance(src, ShardedParam):
         if src._layout == dst._layout and not src._views:
@@ -318,11 +315,7 @@ def _copy(func, args, kwargs):
             _mark_written((dst,))
             return dst
         src = gather_full(src)
-    if src.dim() == 0 or src.shape != dst.shape:
-        src = src.expand(dst.shape) if src.dim() == 0 else src
-        if src.shape != dst.shape:
-            raise ValueError(f"copy_ into ShardedParam {dst._name!r}: source shape {tuple(src.shape)} "
-                             f"!= parameter shape {tuple(dst.shape)}")
+    src = _broadcast_source(src, dst)
     if _agreement.is_plain(src):  # see [Note: full tensors written into shards]
         _agreement.refuse_differing([(dst._name, dst, src)], f"copy_ into {dst._name!r}")
     with torch.no_grad():

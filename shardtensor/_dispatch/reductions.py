@@ -57,33 +57,41 @@ def _whole_tensor_operand(func, args, kwargs, dim_arg=None) -> bool:
     return True
 
 
-def _reduce_partials(partials: torch.Tensor, groups: list, op: str) -> torch.Tensor:
+def _reduction_label(func, tensors: list) -> str:
+    """Names the op and its tensors in the identity check: without it ``w.norm()`` on one rank (a debugging
+    print under ``if rank == 0``) and ``w.sum()`` on every rank were the same one-element all-reduce, and the
+    ranks added each other's partials silently."""
+    names = [t._name or str(tuple(t.shape)) for t in tensors]
+    return f"{func.overloadpacket.__name__} of {', '.join(repr(n) for n in names)}"
+
+
+def _reduce_partials(partials: torch.Tensor, groups: list, op: str, label: str) -> torch.Tensor:
     """All-reduce ``partials[k]`` over the ranks of ``groups[k]`` (one collective per distinct process group:
     models sharded over several groups), in place; returns ``partials``.  The one cross-rank step of every rule
-    in this module."""
+    in this module; ``label`` (``_reduction_label``) names it."""
     by_group: dict = {}
     for k, group in enumerate(groups):
         by_group.setdefault(id(group), (group, []))[1].append(k)
     for group, members in by_group.values():
         if len(by_group) == 1:
-            _all_reduce_keep_nan(partials, group, op)
+            _all_reduce_keep_nan(partials, group, op, label)
         else:
             part = partials[members].clone()
-            _all_reduce_keep_nan(part, group, op)
+            _all_reduce_keep_nan(part, group, op, label)
             partials[members] = part
     return partials
 
 
-def _all_reduce_keep_nan(partial: torch.Tensor, group, op: str) -> None:
+def _all_reduce_keep_nan(partial: torch.Tensor, group, op: str, label: str) -> None:
     """All-reduce in place; a NaN on any rank stays NaN under max/min (gloo's and NCCL's max/min drop it, so
     ``max()`` or an inf-norm would hide a NaN gradient on another rank).  One collective: the NaN flags ride
     along, negated for min."""
     if op not in ("max", "min") or not partial.is_floating_point():
-        _comm.all_reduce(partial, group, op=op)
+        _comm.all_reduce(partial, group, op=op, label=label)
         return
     flags = partial.isnan().to(partial.dtype)
     both = torch.cat([partial.reshape(-1), flags.reshape(-1) if op == "max" else -flags.reshape(-1)])
-    _comm.all_reduce(both, group, op=op)
+    _comm.all_reduce(both, group, op=op, label=label)
     n = partial.numel()
     partial.copy_(both[:n].reshape(partial.shape).masked_fill(both[n:].reshape(partial.shape) != 0, float("nan")))
 
@@ -133,7 +141,7 @@ def _vector_norm(func, args, kwargs):
         return compute(func, args, kwargs)  # torch's own error: the inf-norm of an empty tensor has no identity
     x = _valid(self) if dtype is None else _valid(self).to(dtype)
     partial = _p_norm_partial(x, ord).reshape(1).clone()
-    total = _reduce_partials(partial, [self._layout.group], _norm_reduce_op(ord))[0]
+    total = _reduce_partials(partial, [self._layout.group], _norm_reduce_op(ord), _reduction_label(func, [self]))[0]
     return _p_norm_finish(total, ord).to(_norm_dtype(x.dtype))
 
 
@@ -188,7 +196,8 @@ def _foreach_reduction(func, args, kwargs):
     # float64 for the cross-rank reduction: float32 partials would round a float64 model's norm (and cost the
     # float32 ones nothing measurable: one value per tensor)
     partials = torch.stack([partial_of(_valid(t), args, kwargs).double().reshape(()) for _, t in sharded])
-    _reduce_partials(partials, [t._layout.group for _, t in sharded], op_of(args, kwargs))
+    _reduce_partials(partials, [t._layout.group for _, t in sharded], op_of(args, kwargs),
+                     _reduction_label(func, [t for _, t in sharded]))
     finished = finish(partials, args, kwargs)
     for k, (i, t) in enumerate(sharded):
         out[i] = finished[k].to(_norm_dtype(dtype or t.dtype))
@@ -228,7 +237,7 @@ def _simple_reduction(op: str, local_fn: Callable, finish: Callable | None = Non
         if self.numel() == 0 and op in ("max", "min") and func not in (aten.all.default, aten.any.default):
             return compute(func, args, kwargs)  # torch's own error: max() of an empty tensor has no identity
         partial = local_fn(_valid(self), func, args, kwargs).reshape(1).clone()
-        result = _reduce_partials(partial, [self._layout.group], op)[0]
+        result = _reduce_partials(partial, [self._layout.group], op, _reduction_label(func, [self]))[0]
         return finish(result, self) if finish else result
 
     return rule
@@ -291,7 +300,7 @@ def _equal(func, args, kwargs):
             and a._views == b._views and _chain_is_bijective(a._views) and a.shape == b.shape):
         return compute(func, args, kwargs)
     same = torch.tensor([1 if torch.equal(_valid(a), _valid(b)) else 0], dtype=torch.uint8)
-    return bool(_reduce_partials(same, [a._layout.group], "min")[0])
+    return bool(_reduce_partials(same, [a._layout.group], "min", _reduction_label(func, [a, b]))[0])
 
 
 @implements(aten._amp_foreach_non_finite_check_and_unscale_.default)
@@ -306,5 +315,6 @@ def _amp_unscale(func, args, kwargs):
     _mark_written([g for g in grads if isinstance(g, ShardedParam)])
     groups = list({id(g._layout.group): g._layout.group for g in grads if isinstance(g, ShardedParam)}.values())
     if groups:
-        partials = _reduce_partials(found_inf.reshape(1).repeat(len(groups)), groups, "max")
+        partials = _reduce_partials(found_inf.reshape(1).repeat(len(groups)), groups, "max",
+                                    _reduction_label(func, [g for g in grads if isinstance(g, ShardedParam)]))
         found_inf.copy_(partials.max().reshape(found_inf.shape))

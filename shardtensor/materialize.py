@@ -62,7 +62,10 @@ def materialize(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    real = _WriteWatch([(n, t) for n, t in _named_tensors(module) if not t.is_meta])  # loaded weights, maybe
+    had_meta = {id(m) for m in module.modules() if any(t.is_meta for _, t in _named_tensors(m))}
     done: set[int] = set()
+    allocated = []  # buffers allocated here: (fqn, module, name)
     for module_name, submodule in module.named_modules(remove_duplicate=False):
         for name, param in list(submodule._parameters.items()):
             if param is None or not param.is_meta or id(param) in done:
@@ -72,21 +75,77 @@ def materialize(
         for name, buffer in list(submodule._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 submodule._buffers[name] = torch.zeros_like(buffer, device=device)
+                allocated.append((f"{module_name}.{name}" if module_name else name, submodule, name))
+    untouched = _WriteWatch([(fqn, m._buffers[name]) for fqn, m, name in allocated])
 
     own_generator = _draw_from_rank0_generator(device, state.group)
     try:
         if init_fn is not None:
             init_fn(module)
-            _warn_buffers_left_zero(module, computed_buffers)
         else:
             for submodule in _post_order(module):
                 reset = _reset_method(submodule)
-                if reset is not None:
+                if reset is not None and id(submodule) in had_meta:  # a module with no meta tensor keeps its values
                     reset()
     finally:
         if own_generator is not None:
             _set_generator_state(device, own_generator)
+    _check_after_init(module, init_fn, untouched, real)
     return module
+
+
+def _named_tensors(module: nn.Module):
+    return [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+
+
+class _WriteWatch:
+    """Which of some tensors were written (in place, by version counter) or replaced, since it was made."""
+
+    def __init__(self, named: list):
+        self.entries = [(fqn, t, _version(t)) for fqn, t in named]
+
+    def untouched(self, module: nn.Module) -> list[str]:
+        return [fqn for fqn, t, v in self.entries if _current(module, fqn) is t and _version(t) == v]
+
+    def written(self, module: nn.Module) -> list[str]:
+        return [fqn for fqn, t, v in self.entries if _current(module, fqn) is not t or _version(t) != v]
+
+
+def _version(t: torch.Tensor) -> int:
+    return t._local._version if isinstance(t, ShardedParam) else t._version
+
+
+def _current(module: nn.Module, fqn: str) -> Optional[torch.Tensor]:
+    owner, _, name = fqn.rpartition(".")
+    sub = module.get_submodule(owner)
+    return sub._parameters.get(name, sub._buffers.get(name))
+
+
+def _check_after_init(module: nn.Module, init_fn, untouched: _WriteWatch, real: _WriteWatch) -> None:
+    """A meta buffer nothing wrote is still the zeros allocated for it (a causal mask an ``__init__`` computed on
+    the meta device, under a module whose ``reset_parameters()`` does not recompute it: NaN logits); a tensor
+    that was not on the meta device and was re-drawn lost what it held (weights loaded before ``materialize``)."""
+    left = untouched.untouched(module)
+    if left and init_fn is None:
+        raise ValueError(
+            f"materialize: meta buffer {left[0]!r} (of {len(left)} such: {', '.join(map(repr, left[:4]))}) was "
+            "not set by any reset_parameters() or _reset_parameters(): its values were computed in an __init__ that "
+            "ran on the meta device (a causal mask, position ids, rotary frequencies), so it is all zeros. Fix: pass "
+            "materialize(model, init_fn) with an init_fn that sets it (for a Hugging Face model: lambda m: "
+            "m.apply(m._init_weights)), or build that module off the meta device.")
+    if left:
+        warnings.warn(
+            f"materialize: buffer {left[0]!r} (of {len(left)} such: {', '.join(map(repr, left[:4]))}) was built "
+            "on the meta device by an __init__ and is still all zeros after init_fn. If its __init__ computed it "
+            "(position ids, rotary frequencies, a causal mask), set it in init_fn; the model would use zeros.",
+            stacklevel=3)
+    redrawn = real.written(module)
+    if redrawn:
+        warnings.warn(
+            f"materialize: {redrawn[0]!r} (of {len(redrawn)} such: {', '.join(map(repr, redrawn[:4]))}) was not on "
+            "the meta device and was re-initialised by " + ("init_fn" if init_fn else "a parent module's reset") +
+            ": if it held loaded weights they are gone. Fix: load them after materialize, or keep them out of "
+            "init_fn (materialize allocates and initialises only what was built on the meta device).", stacklevel=3)
 
 
 def _generator_state(device: torch.device) -> torch.Tensor:
@@ -181,16 +240,6 @@ def _uncovered_meta_buffers(module: nn.Module, prefix: str = "", inherited: bool
         if child is not None:
             found += _uncovered_meta_buffers(child, f"{prefix}{name}.", has)
     return found
-
-
-def _warn_buffers_left_zero(module: nn.Module, names: list[str]) -> None:
-    """After an ``init_fn``: a computed buffer it left all zeros is named (a warning, since zeros can be meant)."""
-    zeros = [n for n in names if not module.get_buffer(n).any()]
-    if zeros:
-        warnings.warn(
-            f"materialize: buffer {zeros[0]!r} (of {len(zeros)} such: {', '.join(map(repr, zeros[:4]))}) was built "
-            "on the meta device by an __init__ and is still all zeros after init_fn. If its __init__ computed it "
-            "(position ids, rotary frequencies), set it in init_fn; the model would use zeros.", stacklevel=3)
 
 
 def _allocate_in_place(param: nn.Parameter, fqn: str, state, device: torch.device) -> None:

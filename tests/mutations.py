@@ -916,6 +916,14 @@ MUTATIONS = {
         "shardtensor/_dispatch/_common.py", "_broadcast_source",
         "        if torch.broadcast_shapes(src.shape, dst.shape) == dst.shape:", "        if src.dim() == 0:",
         ("tests/test_row_writes.py::test_indexed_writes_equal_the_same_writes_on_plain_tensors",)),
+    "materialize_resets_real_modules": Mutation(
+        "shardtensor/materialize.py", "materialize",
+        "                if reset is not None and id(submodule) in had_meta:", "                if reset is not None:",
+        ("tests/test_misuse.py::test_materialize_keeps_weights_that_were_not_on_the_meta_device",)),
+    "materialize_trusts_a_reset_above_a_buffer": Mutation(
+        "shardtensor/materialize.py", "_check_after_init",
+        "    left = untouched.untouched(module)", "    left = []",
+        ("tests/test_misuse.py::test_materialize_names_a_buffer_its_modules_reset_does_not_set",)),
 }
 
 

@@ -198,6 +198,72 @@ def test_materialize_refuses_a_buffer_no_reset_method_computes():
         assert len(warned) == 1 and "'1.ids'" in warned[0] and "running" not in warned[0], warned
 
 
+class _MaskedAttention(nn.Module):
+    """Its reset_parameters() re-draws its projection only; its causal mask was computed in __init__."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(3, 3, dtype=torch.bool)), persistent=False)
+
+    def reset_parameters(self):
+        nn.init.normal_(self.proj.weight, std=0.02)
+
+
+def covered_buffer_case(with_init_fn: bool) -> dict:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _MaskedAttention())
+    shardtensor.shard_module(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        init = (lambda m: m[1].reset_parameters()) if with_init_fn else None
+        error = _error_of(lambda: shardtensor.materialize(model, init, device="cpu"))
+    return {"error": error, "warned": [str(w.message) for w in caught if "still all zeros" in str(w.message)]}
+
+
+def test_materialize_names_a_buffer_its_modules_reset_does_not_set():
+    # A reset method above the buffer counted as recomputing it: the mask stayed all zeros (NaN logits), silently.
+    for out in run_on_ranks(2, covered_buffer_case, False):
+        assert "'1.mask'" in out["error"] and "init_fn" in out["error"], out
+    for out in run_on_ranks(2, covered_buffer_case, True):
+        assert out["error"] == "no error" and len(out["warned"]) == 1 and "'1.mask'" in out["warned"][0], out
+
+
+def real_weights_case(how: str) -> dict:
+    """Weights that were not on the meta device (loaded, pretrained) before materialize()."""
+    loaded = {"0.weight": torch.full((6, 4), 0.5), "0.bias": torch.zeros(6)}
+    if how == "built normally":
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    else:  # a pretrained layer with a new head built on the meta device
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+        model[0] = nn.Linear(4, 6)
+    model[0].load_state_dict({"weight": loaded["0.weight"], "bias": loaded["0.bias"]})
+    shardtensor.shard_module(model)
+    torch.manual_seed(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        init = (lambda m: m.apply(lambda x: x.reset_parameters() if isinstance(x, nn.Linear) else None)) \
+            if how == "init_fn re-draws it" else None
+        shardtensor.materialize(model, init, device="cpu")
+    state = shardtensor.full_state_dict(model)
+    return {"kept": torch.equal(state["0.weight"], loaded["0.weight"]), "head": state["1.weight"],
+            "warned": [str(w.message) for w in caught if "re-initialised" in str(w.message)]}
+
+
+@pytest.mark.parametrize("how", ["built normally", "pretrained layer, new meta head", "init_fn re-draws it"])
+def test_materialize_keeps_weights_that_were_not_on_the_meta_device(how):
+    # Every module's reset_parameters() ran: weights loaded before materialize() were re-drawn, silently.
+    for out in run_on_ranks(2, real_weights_case, how):
+        if how == "init_fn re-draws it":  # the user's init_fn asked for it: said, with the fix
+            assert not out["kept"] and len(out["warned"]) == 1 and "'0.weight'" in out["warned"][0], out
+            continue
+        assert out["kept"] and not out["warned"], out
+        if how != "built normally":  # the meta head gets the unsharded init from the same generator state
+            torch.manual_seed(3)
+            assert torch.equal(out["head"], nn.Linear(6, 2).weight.detach())
+
+
 # --------------------------------------------------------------------------- forward before materialize()
 def meta_forward_case(gather: str) -> str:
     with torch.device("meta"):

@@ -57,6 +57,7 @@ def _refuse_optimizer_built_first(optimizer: torch.optim.Optimizer) -> None:
                     f"old full tensor: step() would update it while the model never changes. {_FIX_OPTIMIZER}"
                 )
     _refuse_zero_redundancy(optimizer)
+    _refuse_flat_vector(optimizer)
     _CHECKED[optimizer] = count
 
 
@@ -100,6 +101,23 @@ def _refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
                     "already shards what ZeroRedundancyOptimizer shards (optimizer state) and the parameters too. "
                     "Nothing was updated. Fix: use the wrapped optimizer itself, e.g. "
                     "torch.optim.AdamW(model.parameters(), ...): its state is this rank's rows only.")
+
+
+def _refuse_flat_vector(optimizer: torch.optim.Optimizer) -> None:
+    """``LBFGS`` flattens every gradient into one full vector and adds slices of a full update to each parameter:
+    a shard takes neither.  It was refused at its first sharded parameter, after it had updated the plain ones
+    before it (a 0-d logit scale: a model left half-stepped); now before any update, on every rank."""
+    from .tensor import ShardedParam
+
+    if not isinstance(optimizer, torch.optim.LBFGS):
+        return
+    sharded = next((p for g in optimizer.param_groups for p in g["params"] if isinstance(p, ShardedParam)), None)
+    if sharded is not None:
+        raise TypeError(
+            f"LBFGS.step(): parameter {sharded._name!r} is sharded by shard_module, and LBFGS works on one flat "
+            "vector of every parameter and gradient, which no rank holds. Nothing was updated. Fix: a first-order "
+            "torch.optim optimizer (AdamW, SGD) on the sharded model, or LBFGS on the unsharded model "
+            "(shardtensor.unshard_module(model)).")
 
 
 def _refuse_factored_moments(optimizer: torch.optim.Optimizer) -> None:

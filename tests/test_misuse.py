@@ -564,6 +564,31 @@ def test_adafactor_on_sharded_matrices_is_refused_before_any_update():
             assert "Nothing was updated" in message and unchanged and states == 0
 
 
+def _lbfgs_case() -> tuple:
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 4)), persist_numel=12)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+    x = torch.randn(3, 6)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().sum()
+        loss.backward()
+        return loss
+
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+    message = _error_of(lambda: opt.step(closure))
+    after = shardtensor.full_state_dict(model)
+    return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_lbfgs_on_a_sharded_model_is_refused_before_any_update():
+    # Its flat vector needs every row; it stepped the LayerNorm (kept whole), then failed inside the Linear.
+    for message, unchanged in run_on_ranks(2, _lbfgs_case):
+        assert "TypeError" in message and "LBFGS" in message and "'1.weight'" in message, message
+        assert "Nothing was updated" in message and unchanged
+
+
 # ------------------------------------------------------------------------ optimizer state from another rank's file
 def other_ranks_optimizer_state_case(path: str) -> dict:
     """DDP's habit for optimizer state: rank 0 saves ``opt.state_dict()``, every rank loads that file; and an

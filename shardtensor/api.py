@@ -142,7 +142,7 @@ def shard_module(
     _misuse.check_same_model_on_every_rank(module, group, settings={
         "gather": policy.mode.value, "prefetch_bytes": policy.prefetch_bytes, "persist_numel": persist_numel,
         "param_dtype": str(param_dtype), "reduce_dtype": str(precision.reduce_dtype), "placement": placement,
-        "reducer": type(reducer).__name__, "offload": type(offload).__name__})
+        "reducer": _settings_of(reducer), "offload": type(offload).__name__})
     if placement not in ("dim0", "layerwise"):
         raise ValueError(f"shard_module: placement={placement!r}; expected 'dim0' or 'layerwise'")
     layouts: dict = {}
@@ -207,6 +207,13 @@ def _gather_policy(gather, prefetch_bytes, min_free_bytes, persist_numel) -> Gat
         return GatherPolicy(gather, prefetch_bytes, min_free_bytes, persist_numel)
     except ValueError:
         raise ValueError(f"shard_module: gather={gather!r}; expected one of {[m.value for m in GatherMode]}") from None
+
+
+def _settings_of(obj) -> str:
+    """A plug-in's settings as its ``repr`` says them (``CompressedReducer(bits=4, group_size=16, ...)``), else
+    its type: with the type alone, ranks with different group sizes were accepted, and where their wire rows
+    had one byte length each decoded the others' bytes with its own layout (wrong gradients, no error)."""
+    return repr(obj) if type(obj).__repr__ is not object.__repr__ else type(obj).__name__
 
 
 def _step_begin_hook(root: nn.Module, gatherer: Gatherer, precision: MixedPrecisionPolicy, owners: list = (),

@@ -924,6 +924,10 @@ MUTATIONS = {
         "shardtensor/materialize.py", "_check_after_init",
         "    left = untouched.untouched(module)", "    left = []",
         ("tests/test_misuse.py::test_materialize_names_a_buffer_its_modules_reset_does_not_set",)),
+    "lbfgs_refused_midway": Mutation(
+        "shardtensor/_misuse_optim.py", "_refuse_optimizer_built_first",
+        "    _refuse_flat_vector(optimizer)\n", "",
+        ("tests/test_misuse.py::test_lbfgs_on_a_sharded_model_is_refused_before_any_update",)),
 }
 
 

@@ -257,14 +257,23 @@ def rank_dependent_setup(which: str) -> str:
             shardtensor.shard_module(model)
         else:  # a setting that decides which collectives run
             kwargs = {"gather": ["overlapped", "sequential"][rank]} if which == "gather" else \
-                {"prefetch_bytes": 1000 * (rank + 1)}
+                {"prefetch_bytes": 1000 * (rank + 1)} if which == "prefetch_bytes" else \
+                {"reducer": _compressed_reducer(group_size=[4, 16][rank])}
             shardtensor.shard_module(_mlp(), **kwargs)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
-@pytest.mark.parametrize("which", ["gather", "prefetch_bytes"])
+def _compressed_reducer(**settings):
+    from shardtensor.optim import CompressedReducer
+
+    return CompressedReducer(**settings)
+
+
+# reducer: the type alone was compared; where two group sizes gave wire rows of one byte length, each rank decoded
+# the others' bytes with its own layout (wrong gradients, no error)
+@pytest.mark.parametrize("which", ["gather", "prefetch_bytes", "reducer"])
 def test_different_settings_on_different_ranks_fail_at_shard_module(which):
     for rank, message in enumerate(run_on_ranks(2, rank_dependent_setup, which)):
         assert "different settings" in message and f"{which}=" in message, (rank, message)

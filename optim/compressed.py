@@ -128,6 +128,8 @@ class CompressedReducer:
         rows = full_grad.shape[0] // world
         grad_rows = full_grad.detach().reshape(world, -1)  # (W, C): row r is rank r's shard
         cols = grad_rows.shape[1]
+        if cols == 0:  # a zero-element parameter (prefix tuning with no tokens): nothing to send, on every rank
+            return full_grad.new_zeros((rows, *full_grad.shape[1:]))
         _, _, row_len = _wire_layout(cols, self.group_size)
 
         send = torch.empty(world, row_len, dtype=torch.uint8, device=full_grad.device)

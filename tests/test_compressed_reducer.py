@@ -248,3 +248,29 @@ def test_one_reducer_with_error_feedback_for_two_models_is_refused_on_every_rank
     for r in run_on_ranks(2, _two_models_one_reducer_case):
         for case in ("second", "after_unshard"):
             assert "already reduced another model's gradients" in r[case] and "Fix:" in r[case], r
+
+
+def _zero_element_parameter_case() -> list:
+    from torch import nn
+
+    import shardtensor
+
+    class Prefixed(nn.Module):  # prefix tuning with no virtual tokens: a (0, 6) parameter
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 6))
+            self.prefix = nn.Parameter(torch.empty(0, 6))
+
+        def forward(self, x):
+            return (torch.cat([self.prefix, x]) @ self.w.t()).square().sum()
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(Prefixed(), reducer=CompressedReducer())
+    model(torch.randn(3, 6)).backward()
+    return [tuple(model.prefix.grad.shape), model.w.grad.full_tensor().abs().sum().item() > 0]
+
+
+def test_a_zero_element_parameter_reduces_to_an_empty_gradient():
+    # Its 0-byte wire row failed inside backward with torch's "stride(0) must be divisible by 4", naming nothing.
+    for shape, nonzero in run_on_ranks(2, _zero_element_parameter_case):
+        assert shape == (0, 6) and nonzero

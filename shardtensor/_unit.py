@@ -183,9 +183,9 @@ class _Unit:
         grads, self.grads = self.grads, {}
         fulls = [grads.get(i) for i in range(len(self.params))]
         mine = torch.tensor([0.0 if g is None else 1.0 for g in fulls], dtype=torch.float64)
-        fulls = [torch.zeros(p._layout.shape, dtype=p.dtype, device=p._local.device) if g is None else g
-                 for p, g in zip(self.params, fulls)]
+        zeros = lambda p: torch.zeros(p._layout.shape, dtype=p.dtype, device=p._local.device)  # noqa: E731
         if type(strategy) is ExactReducer and all(type(p._layout) is ShardLayout for p in self.params):
+            fulls = [zeros(p) if g is None else g for p, g in zip(self.params, fulls)]
             shards, flags = reduce_exact(self.name, self.params, fulls, mine, strategy.reduce_dtype,
                                          channel=self._channel())
             owned = True
@@ -193,10 +193,13 @@ class _Unit:
             flags, owned = mine.clone(), False  # (a reducer's shard may alias its input)
             _comm.all_reduce(flags, self.params[0]._layout.group)
             shards = []
-            for p, g in zip(self.params, fulls):
+            for p, g, flag in zip(self.params, fulls, flags.tolist()):
+                if flag == 0:  # no rank has a gradient (a frozen parameter): every rank skips it (a compressed
+                    shards.append(None)  # reducer sent its zeros each step and kept a full-size error buffer)
+                    continue
                 with _comm.inputs_may_be_overwritten(True):
-                    shards.append(strategy.reduce_grad(g, p._layout, key=p._name, dtype=p.dtype, owned=True,
-                                                       overlap=False))
+                    shards.append(strategy.reduce_grad(zeros(p) if g is None else g, p._layout, key=p._name,
+                                                       dtype=p.dtype, owned=True, overlap=False))
         self._accumulate(shards, flags, owned)
 
     def _take_deferred(self) -> None:

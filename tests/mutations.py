@@ -928,6 +928,10 @@ MUTATIONS = {
         "shardtensor/_misuse_optim.py", "_refuse_optimizer_built_first",
         "    _refuse_flat_vector(optimizer)\n", "",
         ("tests/test_misuse.py::test_lbfgs_on_a_sharded_model_is_refused_before_any_update",)),
+    "unit_reduces_frozen_parameters": Mutation(
+        "shardtensor/_unit.py", "reduce",
+        "                if flag == 0:  # no rank has a gradient", "                if False:  # no rank has a gradient",
+        ("tests/test_compressed_reducer.py::test_frozen_parameters_are_not_reduced_in_any_gather_mode",)),
 }
 
 

@@ -274,3 +274,39 @@ def test_a_zero_element_parameter_reduces_to_an_empty_gradient():
     # Its 0-byte wire row failed inside backward with torch's "stride(0) must be divisible by 4", naming nothing.
     for shape, nonzero in run_on_ranks(2, _zero_element_parameter_case):
         assert shape == (0, 6) and nonzero
+
+
+def _frozen_base_case(gather: str) -> dict:
+    from torch import nn
+
+    import shardtensor
+
+    class Block(nn.Module):  # a frozen base weight and a trained low-rank adapter (LoRA-style fine-tuning)
+        def __init__(self):
+            super().__init__()
+            self.base, self.down, self.up = nn.Linear(16, 16), nn.Linear(16, 2, bias=False), nn.Linear(2, 16)
+
+        def forward(self, x):
+            return torch.tanh(self.base(x) + self.up(self.down(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    for block in model:
+        block.base.requires_grad_(False)
+    reducer = CompressedReducer(group_size=16)
+    shardtensor.shard_module(model, gather=gather, reducer=reducer)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(5, 16, generator=gen)).square().sum().backward()
+    return {"buffers": sorted(reducer.state_dict()["error_buffers"]), "sent": reducer.bytes_sent,
+            "adapter": model[0].down.weight.grad.full_tensor()}
+
+
+def test_frozen_parameters_are_not_reduced_in_any_gather_mode():
+    # A gather unit (overlapped mode) handed its frozen parameters' zeros to the reducer every step: the compressed
+    # reducer sent them and kept a float32 error buffer of each one's full size (28 GB per rank for a 7B base).
+    sequential = run_on_ranks(2, _frozen_base_case, "sequential")
+    for rank, out in enumerate(run_on_ranks(2, _frozen_base_case, "overlapped")):
+        assert not [k for k in out["buffers"] if ".base." in k], out["buffers"]
+        assert out["buffers"] == sequential[rank]["buffers"] and out["sent"] == sequential[rank]["sent"], out
+        torch.testing.assert_close(out["adapter"], sequential[rank]["adapter"], rtol=0, atol=0)

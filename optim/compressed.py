@@ -133,7 +133,7 @@ class CompressedReducer:
         _, _, row_len = _wire_layout(cols, self.group_size)
 
         send = torch.empty(world, row_len, dtype=torch.uint8, device=full_grad.device)
-        error = self._error_buffer(key, world, cols, full_grad.device) if self.error_feedback else None
+        error = self._error_buffer(_model_key(key), world, cols, full_grad.device) if self.error_feedback else None
         quantize_int4_ef(grad_rows, error, self.group_size, self.beta, out=_wire_views(send, cols, self.group_size))
 
         recv = torch.empty_like(send)
@@ -187,4 +187,12 @@ class CompressedReducer:
             raise ValueError(f"state_dict was saved with bits={state_dict['bits']}, this reducer has {self.bits}")
         self._errors.clear()
         self._cols_of.clear()
-        self._loaded = {key: flat.detach().reshape(-1).clone() for key, flat in state_dict["error_buffers"].items()}
+        self._loaded = {_model_key(key): flat.detach().reshape(-1).clone()
+                        for key, flat in state_dict["error_buffers"].items()}
+
+
+def _model_key(key: str) -> str:
+    """A parameter's name as the model's own state dict says it (``full_state_dict``'s keys): a model sharded
+    inside a ``torch.compile`` wrapper names its parameters ``_orig_mod.<name>``, and a resume without compile
+    (or with it) loaded error buffers that no parameter ever asked for again, silently."""
+    return key.replace("_orig_mod.", "")

@@ -310,3 +310,32 @@ def test_frozen_parameters_are_not_reduced_in_any_gather_mode():
         assert not [k for k in out["buffers"] if ".base." in k], out["buffers"]
         assert out["buffers"] == sequential[rank]["buffers"] and out["sent"] == sequential[rank]["sent"], out
         torch.testing.assert_close(out["adapter"], sequential[rank]["adapter"], rtol=0, atol=0)
+
+
+def test_error_buffers_carry_the_models_own_keys_under_a_compile_wrapper():
+    # shard_module(torch.compile(model)) named them '_orig_mod.<name>': a resume without compile loaded buffers no
+    # parameter asked for again, and error feedback restarted at zero, silently.
+    from torch import nn
+
+    import shardtensor
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    saved_by = CompressedReducer(group_size=16)
+    compiled = shardtensor.shard_module(torch.compile(build(), backend="eager"), reducer=saved_by)
+    compiled(x).sum().backward()
+    saved = saved_by.state_dict()
+    assert sorted(saved["error_buffers"]) == sorted(shardtensor.full_state_dict(compiled))
+    resumed_by = CompressedReducer(group_size=16)
+    resumed = shardtensor.shard_module(build(), reducer=resumed_by)
+    resumed_by.load_state_dict(saved)
+    resumed(x).sum().backward()  # each parameter takes its loaded buffer: no key is left over
+    assert sorted(resumed_by.state_dict()["error_buffers"]) == sorted(saved["error_buffers"])
+    legacy = {**saved, "error_buffers": {"_orig_mod." + k: v for k, v in saved["error_buffers"].items()}}
+    for state in (saved, legacy):  # (a state saved before: its keys still find their parameters)
+        resumed_by.load_state_dict(state)
+        for key, flat in resumed_by.state_dict()["error_buffers"].items():
+            torch.testing.assert_close(flat, saved["error_buffers"][key], rtol=0, atol=0)

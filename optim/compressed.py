@@ -153,9 +153,7 @@ class CompressedReducer:
             error = torch.zeros(world, padded, dtype=self.error_dtype, device=device)
             flat = self._loaded.pop(key, None)
             if flat is not None:
-                if flat.numel() != world * cols:
-                    raise ValueError(f"loaded error buffer for {key=} holds {flat.numel()} values, not {world * cols}")
-                error[:, :cols] = flat.view(world, cols)
+                error[:, :cols] = _refit(flat, world * cols, key).view(world, cols)
             self._errors[key] = error
             self._cols_of[key] = cols
         elif tuple(error.shape) != (world, padded):
@@ -189,6 +187,21 @@ class CompressedReducer:
         self._cols_of.clear()
         self._loaded = {_model_key(key): flat.detach().reshape(-1).clone()
                         for key, flat in state_dict["error_buffers"].items()}
+
+
+def _refit(flat: torch.Tensor, numel: int, key: str) -> torch.Tensor:
+    """A loaded error buffer laid out for this world: it is the residual of the whole gradient, flat, whose
+    zero rows padding it to a multiple of the world size come last, and zero rows leave a zero residual.  So
+    a buffer saved at another world size differs only in how many zeros end it (it was refused on the ranks
+    that loaded one, the others waiting in the collective until its timeout)."""
+    if flat.numel() == numel:
+        return flat
+    if flat.numel() > numel and flat[numel:].any():
+        raise ValueError(f"loaded error buffer for {key=} holds {flat.numel()} values, not {numel}, and they are "
+                         "not zeros past them: it was saved for another parameter")
+    out = flat.new_zeros(numel)
+    out[: min(numel, flat.numel())] = flat[:numel]
+    return out
 
 
 def _model_key(key: str) -> str:

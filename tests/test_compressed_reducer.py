@@ -339,3 +339,22 @@ def test_error_buffers_carry_the_models_own_keys_under_a_compile_wrapper():
         resumed_by.load_state_dict(state)
         for key, flat in resumed_by.state_dict()["error_buffers"].items():
             torch.testing.assert_close(flat, saved["error_buffers"][key], rtol=0, atol=0)
+
+
+def test_error_buffers_saved_at_another_world_size_resume_where_they_fit():
+    # A (5, 3) gradient at world 2 is padded to 6 rows: its saved buffer holds 18 values, the last 3 zeros (the
+    # padding row's residual).  At world 1 it held "18 values, not 15" and was refused, on the loading ranks only.
+    grad = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    saved = torch.randn(18, generator=torch.Generator().manual_seed(1))
+    saved[15:] = 0
+    refit, exact = CompressedReducer(group_size=4), CompressedReducer(group_size=4)
+    refit.load_state_dict({"bits": 4, "error_buffers": {"w": saved}})
+    exact.load_state_dict({"bits": 4, "error_buffers": {"w": saved[:15].clone()}})
+    torch.testing.assert_close(refit.reduce(grad, key="w"), exact.reduce(grad, key="w"), rtol=0, atol=0)
+    torch.testing.assert_close(refit.state_dict()["error_buffers"]["w"], exact.state_dict()["error_buffers"]["w"],
+                               rtol=0, atol=0)
+    saved[16] = 1.0  # not a padding residual: another parameter's buffer
+    other = CompressedReducer(group_size=4)
+    other.load_state_dict({"bits": 4, "error_buffers": {"w": saved}})
+    with pytest.raises(ValueError, match="another parameter"):
+        other.reduce(grad, key="w")

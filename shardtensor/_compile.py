@@ -39,7 +39,7 @@ def skip_in_dynamo(fn) -> None:
 
 def compile_callees_only(fn) -> None:
     """Tell Dynamo's frame evaluator to run ``fn``'s own frame as it is, and to compile the frames it calls as
-    usual.  For a wrapper of many callables (one code object, ``_misuse.PickleRefusingHook.__call__``): Dynamo
+    usual.  For a wrapper of many callables (one code object, ``_hooks.PickleRefusingHook.__call__``): Dynamo
     compiles a compiled root module's hooks as frames of their own, and compiled the wrapper's frame once per
     hook and grad mode, past its recompile limit (a hard failure under ``fullgraph=True``); each hook's own frame
     is now compiled for itself.  Inside a traced forward (a block's hooks) Dynamo inlines the wrapper as before."""

@@ -340,4 +340,4 @@ def attach_units(root: nn.Module, policy: UnitPolicy, gatherer: Gatherer, grad_s
 _compile.skip_in_dynamo(UnitSet._pre_backward)  # see [Note: backward hooks run eagerly] in _compile.py
 _compile.skip_in_dynamo(UnitSet._end_of_backward)
 _compile.skip_in_dynamo(Gatherer._backward_ended)
-_compile.compile_callees_only(_misuse.PickleRefusingHook.__call__)  # every hook's wrapper (see its docstring)
+_compile.compile_callees_only(_misuse.PickleRefusingHook.__call__)  # every hook's wrapper (see _hooks.py)

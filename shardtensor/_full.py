@@ -33,16 +33,15 @@ def gather_label(param: ShardedParam) -> str:
     return f"all-gather of a tensor computed from {param._name!r} (a gradient, optimizer state or op result)"
 
 
-def gather_derived(param: ShardedParam) -> torch.Tensor:
-    """The base tensor of ``param`` (one with no Gatherer) gathered now, labelled as such."""
+def gather_base(param: ShardedParam) -> torch.Tensor:
+    """The base tensor of ``param`` (views not applied) gathered now, labelled by ``gather_label``."""
     with _comm.labelled(gather_label(param)):
         return gather_now(param._local, param._layout)
 
 
 def gather_full(param: ShardedParam) -> torch.Tensor:
     """Full tensor of ``param`` with its views applied, gathered on demand (not scheduled, not cached)."""
-    with _comm.labelled(gather_label(param)):
-        return apply_views(gather_now(param._local, param._layout), param._views)
+    return apply_views(gather_base(param), param._views)
 
 
 class _FullTensor(torch.autograd.Function):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._layout import apply_views
-from .._full import gather_derived
+from .._full import gather_base
 from ..tensor import ShardedParam
 from ._common import _map_args, _map_kwargs, _map_out, _params_in, _written_params
 from .recipes import full_base
@@ -36,7 +36,7 @@ class _Gathered:
                 else:  # a derived tensor: by its recipe if it has one (see recipes.py), else gathered
                     base = full_base(p, self._acquire)
                     if base is None:
-                        base = gather_derived(p)
+                        base = gather_base(p)
                 fulls[id(p)] = apply_views(base, p._views)
         except BaseException:
             self.__exit__(None, None, None)
@@ -44,7 +44,7 @@ class _Gathered:
         return fulls
 
     def _acquire(self, p: ShardedParam) -> torch.Tensor:
-        base = p._gatherer.acquire(p) if p._gatherer is not None else gather_derived(p)
+        base = p._gatherer.acquire(p) if p._gatherer is not None else gather_base(p)
         if p._gatherer is not None:
             self.acquired.append(p)
         return base
@@ -106,7 +106,7 @@ def _write_back(func, args, kwargs, written: list[ShardedParam]):
     fulls: dict[int, torch.Tensor] = {}
     for p in written:
         if id(p._local) not in bases:
-            bases[id(p._local)] = gather_derived(p).clone()
+            bases[id(p._local)] = gather_base(p).clone()
         fulls[id(p)] = apply_views(bases[id(p._local)], p._views)
     others = [p for p in _params_in(args, kwargs) if id(p) not in fulls]
     with _Gathered(others) as gathered:

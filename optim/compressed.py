@@ -133,7 +133,11 @@ class CompressedReducer:
         _, _, row_len = _wire_layout(cols, self.group_size)
 
         send = torch.empty(world, row_len, dtype=torch.uint8, device=full_grad.device)
-        error = self._error_buffer(_model_key(key), world, cols, full_grad.device) if self.error_feedback else None
+        try:
+            error = self._error_buffer(_model_key(key), world, cols, full_grad.device) if self.error_feedback else None
+        except ValueError as exc:  # only this rank loaded the buffer: the others would wait in the all-to-all
+            _comm.announce_failure(f"{type(exc).__name__}: {exc}")
+            raise
         quantize_int4_ef(grad_rows, error, self.group_size, self.beta, out=_wire_views(send, cols, self.group_size))
 
         recv = torch.empty_like(send)

@@ -82,6 +82,12 @@ def count_optimizer_step(group, settings: int = 0) -> None:
     _div.count_optimizer_step(group, settings)
 
 
+def announce_failure(message: str) -> None:
+    """This rank raises where the other ranks will wait for it (a check only this rank can make): they raise
+    too, quoting ``message``, within a probe interval instead of at the collective timeout."""
+    _stall.publish_failure(message)
+
+
 def set_collective_timeout(seconds: float) -> float:
     """Limit every shardtensor collective (gloo / CPU) to ``seconds``; returns the previous limit.
 

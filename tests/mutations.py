@@ -936,6 +936,10 @@ MUTATIONS = {
         "optim/compressed.py", "_refit",
         "    if flat.numel() == numel:", "    if True:",
         ("tests/test_compressed_reducer.py::test_error_buffers_saved_at_another_world_size_resume_where_they_fit",)),
+    "reducer_refusal_kept_to_one_rank": Mutation(
+        "optim/compressed.py", "reduce",
+        '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",
+        ("tests/test_compressed_reducer.py::test_an_error_buffer_refused_on_one_rank_is_named_on_every_rank",)),
 }
 
 

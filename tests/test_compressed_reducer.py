@@ -358,3 +358,35 @@ def test_error_buffers_saved_at_another_world_size_resume_where_they_fit():
     other.load_state_dict({"bits": 4, "error_buffers": {"w": saved}})
     with pytest.raises(ValueError, match="another parameter"):
         other.reduce(grad, key="w")
+
+
+def _buffer_of_another_parameter_on_one_rank_case() -> str:
+    from torch import nn
+
+    import shardtensor
+
+    shardtensor.set_collective_timeout(60)  # the others waited this long before; now a probe interval
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    reducer = CompressedReducer(group_size=4)
+    shardtensor.shard_module(model, gather="sequential", reducer=reducer)
+    if torch.distributed.get_rank() == 1:  # a resume where one rank's file holds another model's buffer
+        wrong = torch.ones(6 * 4 + 5)
+        reducer.load_state_dict({"bits": 4, "error_buffers": {"0.weight": wrong}})
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_an_error_buffer_refused_on_one_rank_is_named_on_every_rank():
+    # The loading rank raised at its first backward; the others waited in the all-to-all until the collective
+    # timeout (600 s by default) and then named only the timeout.
+    import time
+
+    start = time.monotonic()
+    loaded, other = run_on_ranks(2, _buffer_of_another_parameter_on_one_rank_case, timeout=120)[::-1]
+    assert loaded.startswith("ValueError") and "another parameter" in loaded, loaded
+    assert "DivergenceError" in other and "rank 1 already failed" in other and "another parameter" in other, other
+    assert time.monotonic() - start < 50, "the other rank waited for the collective timeout"

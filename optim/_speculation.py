@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import enum
 import math
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -52,6 +53,21 @@ class SpeculationMixin:
         self._accumulating = False
         self._expected_hooks = 1
         self._d2h_stream: Any = None  # side stream: snapshot copies overlap backward on the compute stream
+        self._hook_handles: list = []
+        # An optimizer dropped without close() (replaced by a new one): its hooks must not keep it alive, stepping
+        # a second, unused copy of the state at every backward.
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
+
+    def _hook_speculation(self, p: torch.Tensor) -> None:
+        """Register the gradient hook of ``p``, holding this optimizer weakly (see ``_init_speculation``)."""
+        on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+
+        def hook(param: torch.Tensor) -> None:
+            optimizer = on_grad_ready()
+            if optimizer is not None:
+                optimizer(param)
+
+        self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def _assert_in_phase(self, *phases: SpecPhase) -> None:
         if self._phase not in phases:
@@ -230,3 +246,9 @@ class SpeculationMixin:
         self._spec_count = 0
         self._spec_sumsq = 0.0
         self._rolled_in_hooks = False
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()

@@ -137,7 +137,6 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
         self._slots: dict[int, Slot] = {}  # id(param) -> slot, created lazily (meta-device models materialise late)
         self._order: dict[int, int] = {}  # id(param) -> index
         self._groups_by_id: Optional[dict[int, dict]] = None
-        self._hook_handles: list = []
         self._clip_streak = 0
         self._last: Optional[LastStep] = None
         self._h2d_event: Any = None  # write-back of the last step: masters may not change before it completes
@@ -155,7 +154,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
                 continue
             self._order[id(p)] = len(self._order)
             if self.speculative and p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._hook_speculation(p)
 
     def _group_of(self, p: torch.Tensor) -> dict:
         if self._groups_by_id is None:

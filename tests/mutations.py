@@ -936,6 +936,10 @@ MUTATIONS = {
         "optim/compressed.py", "_refit",
         "    if flat.numel() == numel:", "    if True:",
         ("tests/test_compressed_reducer.py::test_error_buffers_saved_at_another_world_size_resume_where_they_fit",)),
+    "cpu_adam_hooks_hold_it": Mutation(
+        "optim/_speculation.py", "_hook_speculation",
+        "p.register_post_accumulate_grad_hook(hook)", "p.register_post_accumulate_grad_hook(self._on_grad_ready)",
+        ("tests/test_cpu_adam.py::test_a_speculative_cpu_adam_dropped_for_a_new_one_is_collected_and_steps_no_more",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

@@ -720,3 +720,25 @@ def test_adam_variants_cpu_adam_does_not_implement_are_refused_not_stepped_as_ad
     fine = torch.optim.AdamW(model.parameters(), lr=0.01)  # the variant it implements still loads
     fine.step()
     opt.load_state_dict(fine.state_dict())
+
+
+def test_a_speculative_cpu_adam_dropped_for_a_new_one_is_collected_and_steps_no_more():
+    # An optimizer replaced without close() (an LR finder's, then the real run's): its gradient hooks held it, so
+    # every backward after snapshotted each gradient and stepped a second, unused copy of the state on the CPU.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    finder = CPUAdam(model.parameters(), lr=0.05, speculative=True)
+    model(torch.randn(5, 6)).square().mean().backward()
+    finder.step()
+    finder.zero_grad()
+    dropped = weakref.ref(finder)
+    finder = CPUAdam(model.parameters(), lr=0.05, speculative=True)
+    gc.collect()
+    assert dropped() is None, "the dropped optimizer is still alive"
+    assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in model.parameters())  # the new one's
+    model(torch.randn(5, 6)).square().mean().backward()
+    finder.step()
+    assert finder.stats.speculated_params == len(list(model.parameters()))

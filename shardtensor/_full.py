@@ -47,9 +47,15 @@ def gather_full(param: ShardedParam) -> torch.Tensor:
 class _FullTensor(torch.autograd.Function):
     """Gather for the user; the incoming full gradient flows to the parameter unchanged (its hook shards it)."""
 
+    generate_vmap_rule = True  # (with forward free of ctx: the form torch.func transforms accept)
+
     @staticmethod
-    def forward(ctx, param: ShardedParam) -> torch.Tensor:
+    def forward(param: ShardedParam) -> torch.Tensor:
         return gather_full(param).clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

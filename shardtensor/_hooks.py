@@ -35,17 +35,20 @@ class PickleRefusingHook:
     """A module hook of shardtensor's: refuses pickling and deep copies by name, runs outside the user's dispatch
     modes (see the module docstring)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "builds_graph")
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, *, builds_graph: bool = False):
         self.fn = fn
+        self.builds_graph = builds_graph  # adds autograd nodes: it leaves torch.func transforms on around those
 
     def __call__(self, *args, **kwargs):
         # (Dynamo inlines this wrapper inside a traced forward; elsewhere it runs this frame as it is, so the
         # builtin below is called, not traced, and compiles the frames it calls: see _compile.compile_callees_only)
-        if torch.compiler.is_compiling() or not torch._C._len_torch_dispatch_stack():
+        if torch.compiler.is_compiling() or not (torch._C._len_torch_dispatch_stack()
+                                                 or torch._C._functorch.peek_interpreter_stack()):
             return self.fn(*args, **kwargs)
-        with outside_user_dispatch_modes():
+        with outside_user_dispatch_modes(), \
+                (contextlib.nullcontext() if self.builds_graph else outside_functorch_transforms()):
             return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo):
@@ -75,4 +78,16 @@ def outside_user_dispatch_modes() -> contextlib.AbstractContextManager:
     return _python_dispatch._disable_current_modes()
 
 
+def outside_functorch_transforms() -> contextlib.AbstractContextManager:
+    """A context outside ``torch.func`` transforms (``jacrev``, ``grad``, ``vmap`` of a sharded model with respect
+    to its input): a hook's gathers and reductions are not part of the function transformed.  Inside one, every
+    tensor created is the transform's (a wrapper without storage), and our collectives had nothing to send from
+    (torch's "Cannot access data pointer" in overlapped mode, where a unit's gathers start in its forward hook).
+    A hook that adds autograd nodes (a gather unit's) keeps those inside and its collectives in here."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return contextlib.nullcontext()
+    return torch._C._DisableFuncTorch()
+
+
 _compile.skip_in_dynamo(outside_user_dispatch_modes)
+_compile.skip_in_dynamo(outside_functorch_transforms)

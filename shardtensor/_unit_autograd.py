@@ -18,18 +18,30 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ._hooks import outside_functorch_transforms
+
 
 class PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once the unit's backward has produced their gradients."""
+    """Identity on a unit's inputs; its backward runs once the unit's backward has produced their gradients.
+
+    (Both functions here keep ``forward`` free of ``ctx``, with a ``setup_context``, and let torch derive their
+    vmap rule: that is the form ``torch.func`` transforms accept, so ``jacrev(model)(x)`` and per-sample gradients
+    of the input run through a unit's forward.)"""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, unit, *tensors):
-        ctx.unit = unit
+    def forward(unit, *tensors):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.unit = inputs[0]
+
+    @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.post_backward()
+        with outside_functorch_transforms():
+            ctx.unit.post_backward()
         return (None, *grads)
 
 
@@ -37,10 +49,15 @@ class TieToInputs(torch.autograd.Function):
     """``output`` unchanged, as a function of the unit's inputs whose gradient is zero: the unit's backward (its
     gather and reduction, with no gradient of this rank's) runs here as on the ranks that need it."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, output, *inputs):
-        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs]
+    def forward(output, *inputs):
         return output.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in inputs[1:]]
 
     @staticmethod
     def backward(ctx, grad):
@@ -53,7 +70,9 @@ def tie_if_another_rank_needs(unit, args: tuple, output, group):
     from ._agreement import any_rank  # (imported here: _agreement imports the comm layer, this module is a leaf)
 
     mine = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
-    if not any_rank(mine, group, f"whether any rank needs the backward of unit {unit.name!r}") or mine:
+    with outside_functorch_transforms():
+        needed = any_rank(mine, group, f"whether any rank needs the backward of unit {unit.name!r}")
+    if not needed or mine:
         return None
     inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     if not inputs:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _comm, _comm_shm, _compile, _grad_landing, _misuse, _traced
+from . import _comm, _comm_shm, _compile, _grad_landing, _hooks, _misuse, _traced
 from ._layout import ShardLayout
 from .gather import Gatherer, GatherMode
 from .reduce import ExactReducer
@@ -109,10 +109,11 @@ class UnitSet:
             if unit is None:
                 continue
             # (wrapped: pickling a unit's module names the fix instead of "Can't pickle local object")
-            handles.append(module.register_forward_pre_hook(_misuse.PickleRefusingHook(self._pre_forward(unit)),
-                                                            with_kwargs=True))
-            handles.append(module.register_forward_hook(_misuse.PickleRefusingHook(self._post_forward(unit)),
-                                                        always_call=True, with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(
+                _misuse.PickleRefusingHook(self._pre_forward(unit), builds_graph=True), with_kwargs=True))
+            handles.append(module.register_forward_hook(
+                _misuse.PickleRefusingHook(self._post_forward(unit), builds_graph=True), always_call=True,
+                with_kwargs=True))
 
     def reduce_together(self, params: list, keys: list[str], fulls: list[torch.Tensor], owned: list[bool],
                         strategy) -> Optional[list[torch.Tensor]]:
@@ -151,11 +152,12 @@ class UnitSet:
         def hook(module, args, kwargs):
             if torch.compiler.is_compiling():  # traced gathers instead (see _traced.py)
                 return None
-            self._drop_failed_backward()
-            unit.hold()
-            self._prefetch_after(unit, +1)
-            if not (self._carry and unit is self.root_unit):  # the first block's hook takes the rest
-                self._clear_pool()
+            with _hooks.outside_functorch_transforms():  # (its autograd node below stays inside them)
+                self._drop_failed_backward()
+                unit.hold()
+                self._prefetch_after(unit, +1)
+                if not (self._carry and unit is self.root_unit):  # the first block's hook takes the rest
+                    self._clear_pool()
             if not torch.is_grad_enabled():
                 return None
             flat = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -171,11 +173,12 @@ class UnitSet:
         def hook(module, args, kwargs, output):
             if torch.compiler.is_compiling():
                 return None
-            token = self._keep_for_backward(unit, output)
-            if token is None:  # (the root's forward ends the forward: nothing of its gathers follows)
-                unit.gives = unit is not self.root_unit and self._next_overlapped(unit, +1) is not None
-                unit.unhold()
-                unit.gives = False
+            with _hooks.outside_functorch_transforms():
+                token = self._keep_for_backward(unit, output)
+                if token is None:  # (the root's forward ends the forward: nothing of its gathers follows)
+                    unit.gives = unit is not self.root_unit and self._next_overlapped(unit, +1) is not None
+                    unit.unhold()
+                    unit.gives = False
             if unit.routes_by_data and torch.is_grad_enabled():  # [Note: a unit's output that needs no gradient ...]
                 tied = tie_if_another_rank_needs(unit, (*args, *kwargs.values()), output, unit.params[0]._layout.group)
                 output = output if tied is None else tied
@@ -188,6 +191,10 @@ class UnitSet:
         return hook
 
     def _pre_backward(self, unit: _Unit, token: Optional[object] = None, _grads: object = None) -> None:
+        with _hooks.outside_functorch_transforms():  # (a backward inside torch.func.jacrev, say)
+            self._pre_backward_outside_transforms(unit, token)
+
+    def _pre_backward_outside_transforms(self, unit: _Unit, token: Optional[object]) -> None:
         unit.backward_task = self._queue_end_of_backward()
         if token is not None and self._kept is not None and self._kept[1] is token:
             self._kept = None  # the hold its forward kept becomes this backward's

@@ -940,6 +940,11 @@ MUTATIONS = {
         "optim/_speculation.py", "_hook_speculation",
         "p.register_post_accumulate_grad_hook(hook)", "p.register_post_accumulate_grad_hook(self._on_grad_ready)",
         ("tests/test_cpu_adam.py::test_a_speculative_cpu_adam_dropped_for_a_new_one_is_collected_and_steps_no_more",)),
+    "unit_gathers_inside_functorch": Mutation(
+        "shardtensor/_units.py", "_pre_forward",
+        "            with _hooks.outside_functorch_transforms():  # (its autograd node below stays inside them)",
+        "            if True:",
+        ("tests/test_composability.py::test_torch_func_transforms_of_the_input_equal_unsharded",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

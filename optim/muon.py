@@ -142,6 +142,8 @@ class Muon:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        shardtensor.check_optimizer_step(self, self._params)  # before any update, as every torch.optim step
+        self._follow_new_locals()
         for p, local in self._proxies:
             if local is not p:
                 grad = p.grad
@@ -155,6 +157,20 @@ class Muon:
                 if local is not p:
                     local.grad = None  # the ShardedParam's .grad keeps it; no second reference past the step
         return loss
+
+    def _follow_new_locals(self) -> None:
+        """``materialize()`` gives a meta-built model new local tensors: the stepped ones follow them (a Muon built
+        between ``shard_module`` and ``materialize`` stepped the meta ones: torch's device error)."""
+        for i, (p, local) in enumerate(self._proxies):
+            current = p.to_local() if local is not p else p
+            if current is local:
+                continue
+            for opt in self.optimizers:
+                for group in opt.param_groups:
+                    group["params"] = [current if q is local else q for q in group["params"]]
+                if local in opt.state:
+                    opt.state[current] = opt.state.pop(local)
+            self._proxies[i] = (p, current)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._params:

@@ -14,7 +14,7 @@ from ._dispatch import ShardedOpError
 from .gather import Gatherer, GatherMode
 from .layerwise import OwnerLayout, placement_plan
 from .materialize import materialize
-from ._misuse_optim import note_optimizer_step
+from ._misuse_optim import check_optimizer_step, note_optimizer_step
 from .policy import GatherPolicy, MixedPrecisionPolicy
 from .reduce import ExactReducer
 from ._layout import ShardLayout
@@ -36,6 +36,7 @@ __all__ = [
     "load_checkpoint",
     "materialize",
     "note_optimizer_step",
+    "check_optimizer_step",
     "gradient_sync",
     "unshard_module",
     "Gatherer",

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import warnings
 import weakref
-import zlib
-from typing import Iterable
 
 import torch
 
-from . import _comm
 from ._full_optim_state import FullState, agree_on_full_state, is_full_state, own_rows, \
     shaped_for_another_parameter
 from ._misuse import _DEFERRING
+from ._step_record import note_optimizer_step, settings_digest  # noqa: F401  (note_optimizer_step: re-exported)
 from ._torch_state_dict import full_optimizer_state_for_torch_helpers
 
 _FIX_OPTIMIZER = ("Fix: build the optimizer, and any parameter lists its groups take (decay / no-decay groups "
@@ -253,10 +251,25 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
     _refuse_optimizer_built_first(optimizer)
     _check_models_before_step(optimizer)
     _refuse_state_of_another_rank(optimizer)
+    _refuse_deferred_gradients(optimizer)
+
+
+def check_optimizer_step(optimizer: object, params: list[torch.Tensor]) -> None:
+    """The checks the global step pre-hook gives every ``torch.optim`` step, for an optimizer that steps other
+    tensors than the model's parameters (``shardtensor.optim.Muon`` steps each owner's plain local tensors, which
+    those checks never saw: a step after ``unshard_module`` moved nothing, one inside ``gradient_sync(model,
+    False)`` stepped zeros, one on a rank's own ``.grad`` stepped it unaveraged, all silently).  Call it at the
+    start of ``step()``, on every rank, with the model's parameters it steps: it raises before any update."""
+    groups = [{"params": params}]
+    _check_models_before_step(optimizer, groups)
+    _refuse_deferred_gradients(optimizer, groups)
+
+
+def _refuse_deferred_gradients(optimizer: object, groups: "list | None" = None) -> None:
     busy = [gs for gs in list(_DEFERRING) if gs._deferred]
     if not busy:
         return
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = {id(p) for group in (groups or optimizer.param_groups) for p in group["params"]}
     for gs in busy:
         owners = gs.__dict__.get("_deferred_owner", {})
         for key in gs._deferred:
@@ -273,17 +286,18 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
 _SHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (count, its sharded params)
 
 
-def _sharded_of(optimizer: torch.optim.Optimizer) -> tuple:
+def _sharded_of(optimizer: object, groups: "list | None" = None) -> tuple:
     """(count, its sharded parameters, the indices of groups holding them, their Gatherers), listed once per
-    parameter count."""
+    parameter count.  ``groups``: the parameter groups to read, where they are not ``optimizer.param_groups``."""
     from .tensor import ShardedParam
 
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    groups = optimizer.param_groups if groups is None else groups
+    count = sum(len(group["params"]) for group in groups)
     cached = _SHARDED.get(optimizer)
     if cached is None or cached[0] != count:
-        sharded = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p, ShardedParam)]
+        sharded = [p for group in groups for p in group["params"] if isinstance(p, ShardedParam)]
         cached = _SHARDED[optimizer] = (count, sharded,
-                                        [i for i, group in enumerate(optimizer.param_groups)
+                                        [i for i, group in enumerate(groups)
                                          if any(isinstance(p, ShardedParam) for p in group["params"])],
                                         list({id(p._gatherer): p._gatherer for p in sharded
                                               if p._gatherer is not None}.values()))
@@ -301,13 +315,13 @@ def note_unsharded(gatherer) -> None:
 _CHECKS_AT_STEP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Gatherer -> checks_run at a step
 
 
-def _check_models_before_step(optimizer: torch.optim.Optimizer) -> None:
+def _check_models_before_step(optimizer: object, groups: "list | None" = None) -> None:
     """A compiled forward runs neither the root's hook nor an eager gather, so the root's checks (a parameter
     added, converted or unfrozen after ``shard_module``, ...) would never run: they run here instead, before any
     update, for a model whose checks have not run since the last step.  And a sharded parameter whose ``.grad``
     is a plain tensor (its hook was not in place when backward ran) is named here, before any update, not in
     the middle of the optimizer's loop.  A comparison per model and a type test per parameter else."""
-    _, sharded, _, gatherers = _sharded_of(optimizer)
+    _, sharded, _, gatherers = _sharded_of(optimizer, groups)
     for gatherer in gatherers:
         if gatherer in _UNSHARDED:
             raise RuntimeError(
@@ -343,47 +357,7 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
     _, sharded, groups, _ = _sharded_of(optimizer)
     traced.optimizer_step_ends([p for p in sharded if p.grad is not None])
-    note_optimizer_step(sharded, _settings_digest(optimizer, groups))
-
-
-_NUMBERS = (int, float, bool)  # (bool is an int; str and None compare as they are)
-
-
-def _is_setting(value) -> bool:
-    """A number (or a tuple of numbers, as ``betas``): what a step's arithmetic reads.  Other values (a callback
-    kept in a group) may print an address, which differs between processes."""
-    if isinstance(value, (tuple, list)):
-        return all(isinstance(v, _NUMBERS) for v in value)
-    return isinstance(value, (*_NUMBERS, str, type(None)))
-
-
-def _settings_digest(optimizer: torch.optim.Optimizer, sharded_groups: list) -> int:
-    """A digest of the step's hyperparameters (the lr, weight decay, betas... of each group holding sharded
-    parameters; a group of a rank's own unsharded module may differ), which must agree across ranks as the step
-    counts must (an LR scheduler stepped under ``if rank == 0:`` moves each rank's rows by another rate)."""
-    groups = optimizer.param_groups
-    return zlib.crc32(repr([[(k, v) for k, v in sorted(groups[i].items()) if k != "params" and _is_setting(v)]
-                            for i in sharded_groups]).encode())
-
-
-def note_optimizer_step(params: Iterable[torch.Tensor], settings: int = 0) -> None:
-    """Count one optimizer step over ``params`` (``shardtensor.note_optimizer_step``).
-
-    ``torch.optim`` optimizers are counted by the global step hook above.  An optimizer that is not a
-    ``torch.optim.Optimizer`` and steps other tensors than the sharded parameters (``shardtensor.optim.Muon``
-    steps each owner's local tensors) calls this after each step, on every rank, with the sharded parameters it
-    updated, so that a step taken on some ranks only is named at the next gather (see [Note: optimizer steps
-    in the record]).  A group none of whose parameters has a gradient is not counted: the step changed nothing
-    there.  ``settings``: a number standing for the step's hyperparameters (the same on every rank unless
-    something differs; 0 when the optimizer has none to compare)."""
-    from .tensor import ShardedParam
-
-    groups: dict = {}
-    for p in params:
-        if isinstance(p, ShardedParam) and p.grad is not None:
-            groups.setdefault(id(p._layout.group), p._layout.group)
-    for group in groups.values():
-        _comm.count_optimizer_step(group, settings)
+    note_optimizer_step(sharded, settings_digest(optimizer, groups))
 
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402

@@ -695,7 +695,7 @@ MUTATIONS = {
         "    ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))", "    pass",
         ("tests/test_reliability.py::test_a_collective_given_up_on_is_kept_alive_until_the_process_exits",)),
     "settings_digest_reads_addresses": Mutation(
-        "shardtensor/_misuse_optim.py", "_is_setting",
+        "shardtensor/_step_record.py", "_is_setting",
         "return all(isinstance(v, _NUMBERS) for v in value)", "return True",
         ("tests/test_divergence.py::test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather[every rank]",)),
     "submodule_loads_unchecked": Mutation(
@@ -710,7 +710,7 @@ MUTATIONS = {
         ("tests/test_checkpoint.py::test_save_checkpoint_on_rank_0_only_is_named_at_the_collective_timeout",)),
     "step_settings_not_compared": Mutation(
         "shardtensor/_misuse_optim.py", "_step_post_hook",
-        "note_optimizer_step(sharded, _settings_digest(optimizer, groups))", "note_optimizer_step(sharded)",
+        "note_optimizer_step(sharded, settings_digest(optimizer, groups))", "note_optimizer_step(sharded)",
         ("tests/test_divergence.py::test_a_scheduler_stepped_on_rank_0_only_is_named_at_the_next_gather[rank 0 only]",)),
     "differing_copy_accepted": Mutation(
         "shardtensor/_agreement.py", "refuse_differing",
@@ -763,7 +763,7 @@ MUTATIONS = {
         ("tests/test_grad_landing.py::test_a_clamping_hook_alone_sees_the_reduced_gradient",)),
     "optimizer_steps_not_counted": Mutation(
         "shardtensor/_misuse_optim.py", "_step_post_hook",
-        "note_optimizer_step(sharded, _settings_digest(optimizer, groups))", "pass",
+        "note_optimizer_step(sharded, settings_digest(optimizer, groups))", "pass",
         ("tests/test_divergence.py::test_an_optimizer_step_on_some_ranks_only_is_named_at_the_next_gather",)),
     "data_assignment_ignored": Mutation(
         "shardtensor/tensor.py", "data",
@@ -945,6 +945,14 @@ MUTATIONS = {
         "            with _hooks.outside_functorch_transforms():  # (its autograd node below stays inside them)",
         "            if True:",
         ("tests/test_composability.py::test_torch_func_transforms_of_the_input_equal_unsharded",)),
+    "muon_step_unchecked": Mutation(
+        "optim/muon.py", "step",
+        "        shardtensor.check_optimizer_step(self, self._params)  # before any update, as every torch.optim step",
+        "        pass",
+        ("tests/test_layerwise.py::test_muon_steps_get_the_checks_of_torch_optimizers",)),
+    "muon_keeps_meta_locals": Mutation(
+        "optim/muon.py", "step", "        self._follow_new_locals()", "        pass",
+        ("tests/test_layerwise.py::test_muon_steps_get_the_checks_of_torch_optimizers",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

@@ -368,3 +368,63 @@ def test_checkpoints_handed_muon_or_no_checkpoint_name_the_fix(tmp_path):
         assert "Muon is not a torch.optim.Optimizer" in out["load"], out
         assert "no checkpoint there" in out["missing"], out
         assert out["unchanged"], out
+
+
+def _muon_misuse_case(case: str) -> dict:
+    import torch.distributed as dist
+
+    import shardtensor
+    from shardtensor.optim import Muon
+
+    rank = dist.get_rank()
+    meta = case == "built_before_materialize"
+    with torch.device("meta" if meta else "cpu"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    shardtensor.shard_module(model, placement="layerwise")
+    opt = Muon(model, lr=0.02, adamw_lr=1e-2)
+    if meta:
+        torch.manual_seed(0)
+        shardtensor.materialize(model)
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1 + rank))
+    out: dict = {}
+    try:
+        if case == "step_in_no_sync":
+            with shardtensor.gradient_sync(model, False):
+                model(x).square().mean().backward()
+                opt.step()
+        elif case == "unaveraged_grad":
+            params = list(model.parameters())
+            for p, g in zip(params, torch.autograd.grad(model(x).square().mean(), params)):
+                p.grad = g  # this rank's own gradient (DDP-style code)
+            opt.step()
+        elif case == "after_unshard":
+            shardtensor.unshard_module(model)
+            model(x).square().mean().backward()
+            opt.step()
+        else:  # built_before_materialize: trains, as AdamW built there does
+            model(x).square().mean().backward()
+            opt.step()
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    state = shardtensor.full_state_dict(model) if case != "after_unshard" else dict(model.state_dict())
+    out["moved"] = max((v - before[k]).abs().max().item() for k, v in state.items())
+    return out
+
+
+# Muon steps each owner's plain local tensors, which the checks every torch.optim step gets never saw: a step after
+# unshard_module moved nothing, one inside gradient_sync(model, False) stepped on zeros (and decayed), one on a
+# rank's own .grad stepped it unaveraged (0.02 off), all silently; one built before materialize held meta tensors.
+@pytest.mark.parametrize("case,named", [("step_in_no_sync", "still deferred"),
+                                        ("unaveraged_grad", "never averaged"),
+                                        ("after_unshard", "unshard_module"),
+                                        ("built_before_materialize", None)])
+def test_muon_steps_get_the_checks_of_torch_optimizers(case, named):
+    for out in run_on_ranks(2, _muon_misuse_case, case):
+        if named is None:
+            assert out["error"] is None and out["moved"] > 1e-4, out
+        else:
+            assert out["error"] is not None and named in out["error"] and "Muon" in out["error"], out
+            assert out["moved"] == 0.0, out

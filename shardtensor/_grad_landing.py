@@ -186,6 +186,20 @@ def captured_by_autograd_grad(param) -> bool:
     return _captured[1]
 
 
+def refuse_a_graph_on_grad(name: str) -> None:
+    """``loss.backward(create_graph=True)`` (gradients that carry their graph, for a penalty on ``.grad``): a
+    sharded ``.grad`` is this rank's shard of the mean over ranks, reduced by a collective that has no backward,
+    so it cannot carry one, and a penalty built on it added nothing (gradients 2.1 off, silently).  Inside a
+    backward the engine runs with grad mode on only where ``create_graph=True``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"loss.backward(create_graph=True) on a sharded model: the gradient of {name!r} is reduced across "
+            "ranks into this rank's shard, which cannot carry a graph, so a penalty built on .grad would add "
+            "nothing. Fix: grads = torch.autograd.grad(loss, params, create_graph=True) (this rank's own full "
+            "gradients, differentiable, as under DDP), build the penalty from them, then (loss + penalty)"
+            ".backward(). Call zero_grad() before the next backward.")
+
+
 def _will_accumulate(param) -> bool:
     with torch.enable_grad():
         accumulate = param.view_as(param).grad_fn.next_functions[0][0]  # the leaf's AccumulateGrad node

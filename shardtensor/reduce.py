@@ -249,6 +249,7 @@ class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
                 return grad
             if _grad_landing.captured_by_autograd_grad(param):  # see [Note: torch.autograd.grad of ...]
                 return grad
+            _grad_landing.refuse_a_graph_on_grad(key)
             if grad.layout is not torch.strided:  # F.embedding(..., sparse=True) called on a sharded weight
                 raise RuntimeError(f"the gradient of {param._name!r} is {grad.layout} (sparse=True in "
                                    "F.embedding or F.embedding_bag): a sharded parameter needs a dense gradient. "
@@ -283,6 +284,7 @@ class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if param is not None and _grad_landing.captured_by_autograd_grad(param):  # this rank's own gradient
                 return grad
+            _grad_landing.refuse_a_graph_on_grad(name)
             if not self.enabled:  # DDP's no_sync: .grad sums this rank's gradients, averaged whole at the next end
                 if param is not None:
                     self._local_sums.add(id(param))

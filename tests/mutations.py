@@ -953,6 +953,9 @@ MUTATIONS = {
     "muon_keeps_meta_locals": Mutation(
         "optim/muon.py", "step", "        self._follow_new_locals()", "        pass",
         ("tests/test_layerwise.py::test_muon_steps_get_the_checks_of_torch_optimizers",)),
+    "graph_on_grad_dropped": Mutation(
+        "shardtensor/_grad_landing.py", "refuse_a_graph_on_grad", "    if torch.is_grad_enabled():", "    if False:",
+        ("tests/test_grad_landing.py::test_backward_with_create_graph_is_named_with_the_autograd_grad_recipe",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

@@ -263,3 +263,38 @@ def test_a_full_gradient_assigned_to_grad_is_named_at_the_step():
     """The refusal named only a frozen or converted parameter, not the assignment the user made."""
     for r in run_on_ranks(2, _assigned_grad_case):
         assert "assigned to .grad" in r["message"] and "call backward" in r["message"] and r["unchanged"], r
+
+
+def _backward_create_graph_case(gather: str, persist_numel: int, sync: bool) -> dict:
+    """``loss.backward(create_graph=True)`` then a penalty on ``.grad`` (a gradient-norm regulariser)."""
+    import shardtensor
+
+    torch.manual_seed(0)
+    reference = Net().double()
+    model = shardtensor.shard_module(copy.deepcopy(reference), gather=gather, persist_numel=persist_numel)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    out: dict = {}
+    try:
+        with shardtensor.gradient_sync(model, sync):  # (without sync .grad holds zeros: no graph either)
+            model(x).square().mean().backward(create_graph=True)
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    model.zero_grad()
+    model(x).square().mean().backward()  # training goes on: the same batch on every rank, the unsharded gradient
+    reference(x).square().mean().backward()
+    grads = dict(model.named_parameters())
+    out["off"] = max(((grads[n].grad.full_tensor() if isinstance(grads[n], shardtensor.ShardedParam)
+                       else grads[n].grad) - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    return out
+
+
+# A sharded .grad is this rank's shard of the mean: it cannot carry the graph create_graph=True asks for, and a
+# penalty built on it added nothing to the next backward (gradients 2.1 off the unsharded model's, silently).
+@pytest.mark.parametrize("gather,persist_numel,sync", [("overlapped", 0, True), ("sequential", 0, True),
+                                                       ("overlapped", 10, True), ("sequential", 0, False)])
+def test_backward_with_create_graph_is_named_with_the_autograd_grad_recipe(gather, persist_numel, sync):
+    for r in run_on_ranks(2, _backward_create_graph_case, gather, persist_numel, sync):
+        assert r["error"] is not None and "create_graph=True" in r["error"], r
+        assert "torch.autograd.grad(loss, params, create_graph=True)" in r["error"], r
+        assert r["off"] < 1e-12, r

@@ -40,6 +40,7 @@ from shardtensor._agreement import any_rank
 from shardtensor.optim import CPUAdam
 from shardtensor.optim.state_store import MOMENTS
 
+from ._resident_state import ResidentOnRead
 from .monitor import MemoryMonitor, shared_monitor
 from .swap import SwapError, SwapHandle, SwapSpace, SwapWriteError
 
@@ -312,12 +313,13 @@ class NVMeOffload:
         self.make_room(len(MOMENTS) * shape.numel() * 4)
         return {k: torch.zeros(shape, dtype=torch.float32) for k in MOMENTS}
 
-    def track(self, key: int, state: dict) -> None:
+    def track(self, key: int, state: dict) -> dict:
         for k in MOMENTS:
             t = state[k]
             if t.is_pinned() or not t.untyped_storage().resizable():
                 state[k] = t.clone()  # e.g. loaded into pinned memory: the swap layer needs pageable storage
         self.register(key, {k: state[k] for k in MOMENTS})
+        return ResidentOnRead(state, self, key)
 
     def resident(self, keys: list[int]) -> contextlib.AbstractContextManager:
         return self.use(keys)

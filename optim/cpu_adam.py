@@ -181,7 +181,7 @@ class CPUAdam(SpeculationMixin, BatchedStepsMixin, torch.optim.Optimizer):
             elif "master" not in state:
                 state["master"] = torch.empty(local.shape, dtype=torch.float32, pin_memory=self._pinned)
                 state["master"].copy_(local)
-            self._store.track(index, state)
+            state = self.state[p] = self._store.track(index, state) or state  # (a store of old returns None)
             slot = Slot(param=p, index=index, group=self._group_of(p), sharded=is_sharded(p),
                         master_host=None if own else state["master"], exp_avg=state["exp_avg"],
                         exp_avg_sq=state["exp_avg_sq"], step_t=state["step"])

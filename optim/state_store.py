@@ -6,7 +6,8 @@ below, always with the parameter's index in param-group order as the key:
 
 - ``new_moments(key, shape)`` when a parameter's state is first created (a store may make room first);
 - ``track(key, state)`` once per slot, with the optimizer's per-parameter state dict (fresh or loaded); the store
-  may replace the moment tensors in it (the swap layer needs pageable, resizable storage);
+  may replace the moment tensors in it (the swap layer needs pageable, resizable storage), and returns the dict
+  the optimizer keeps as that parameter's state (``NVMeOffload``'s makes the moments resident when read);
 - ``resident(keys)`` around a worker job on one parameter, ``chunks(keys)`` around batched steps and rollbacks
   (each yielded chunk is resident while the caller's loop body runs; a store may read the next one ahead);
 - ``export(key)`` for ``state_dict()``: in-memory copies of moments whose live tensors may be swapped out;
@@ -39,7 +40,7 @@ class StateStore(Protocol):
 
     def new_moments(self, key: int, shape: torch.Size) -> dict[str, torch.Tensor]: ...
 
-    def track(self, key: int, state: dict) -> None: ...
+    def track(self, key: int, state: dict) -> dict: ...
 
     def resident(self, keys: list[int]) -> ContextManager[None]: ...
 
@@ -61,8 +62,8 @@ class HostStore:
     def new_moments(self, key: int, shape: torch.Size) -> dict[str, torch.Tensor]:
         return {k: torch.zeros(shape, dtype=torch.float32, pin_memory=self.pin_memory) for k in MOMENTS}
 
-    def track(self, key: int, state: dict) -> None:
-        pass
+    def track(self, key: int, state: dict) -> dict:
+        return state
 
     def resident(self, keys: list[int]) -> ContextManager[None]:
         return contextlib.nullcontext()

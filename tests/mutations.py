@@ -956,6 +956,9 @@ MUTATIONS = {
     "graph_on_grad_dropped": Mutation(
         "shardtensor/_grad_landing.py", "refuse_a_graph_on_grad", "    if torch.is_grad_enabled():", "    if False:",
         ("tests/test_grad_landing.py::test_backward_with_create_graph_is_named_with_the_autograd_grad_recipe",)),
+    "offloaded_state_read_unswapped": Mutation(
+        "offload/nvme.py", "track", "        return ResidentOnRead(state, self, key)", "        return state",
+        ("tests/test_offload.py::test_reading_offloaded_state_through_opt_state_gives_its_values",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

@@ -383,3 +383,40 @@ def test_nvme_full_disk_raises_at_that_step_and_the_state_still_saves(tmp_path, 
         opt.close()
         ref.close()
         offload.close()
+
+
+def _read_offloaded_state_case(directory: str) -> bool:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    resident_model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    resident_model.load_state_dict(model.state_dict())
+    offload = NVMeOffload(directory, budget_bytes=4096, buffer_bytes=4096, workers=1)  # smaller than the state
+    opt = NVMeCPUAdam(model.parameters(), offload, lr=1e-2, speculative=False)
+    resident = torch.optim.AdamW(resident_model.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(4, 16, generator=gen)
+        for m, o in ((model, opt), (resident_model, resident)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert offload.stats()["evictions"] > 0  # some units were swapped out
+    expected = [resident.state[q] for q in resident_model.parameters()]
+    for (p, state), want in zip(opt.state.items(), expected):  # .items(), as a logging loop does
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], want[key], rtol=1e-6, atol=1e-9)
+    for p, want in zip(model.parameters(), expected):
+        values = dict(opt.state[p].items())
+        torch.testing.assert_close(values["exp_avg_sq"].sum(), want["exp_avg_sq"].sum(), rtol=1e-6, atol=1e-9)
+        assert "exp_avg" in repr(opt.state[p])
+    assert "exp_avg" in repr(opt.state)
+    x = torch.randn(4, 16, generator=gen)
+    model(x).square().mean().backward()  # training goes on after the reads
+    opt.step()
+    return True
+
+
+def test_reading_offloaded_state_through_opt_state_gives_its_values(tmp_path):
+    # A swapped-out moment keeps its shape over freed memory: reading it through opt.state (a norm logged, the
+    # state printed) read freed memory, and the process died with SIGSEGV (hence a rank of its own here).
+    assert run_on_ranks(1, _read_offloaded_state_case, str(tmp_path)) == [True]

@@ -8,7 +8,8 @@
 
 from .cpu import CPUOffload
 from .monitor import MemoryMonitor, shared_monitor
-from .nvme import NVMeCPUAdam, NVMeOffload, OffloadWriteError
+from .nvme import NVMeOffload, OffloadWriteError
+from .nvme_adam import NVMeCPUAdam
 from .swap import SwapError, SwapSpace, SwapWriteError
 
 __all__ = ["CPUOffload", "NVMeOffload", "NVMeCPUAdam", "OffloadWriteError", "SwapSpace", "SwapError", "SwapWriteError",

@@ -37,14 +37,13 @@ import torch
 
 from shardtensor import _comm
 from shardtensor._agreement import any_rank
-from shardtensor.optim import CPUAdam
 from shardtensor.optim.state_store import MOMENTS
 
 from ._resident_state import ResidentOnRead
 from .monitor import MemoryMonitor, shared_monitor
 from .swap import SwapError, SwapHandle, SwapSpace, SwapWriteError
 
-__all__ = ["NVMeOffload", "NVMeCPUAdam", "OffloadWriteError"]
+__all__ = ["NVMeOffload", "OffloadWriteError"]
 
 
 class OffloadWriteError(SwapError):
@@ -209,6 +208,9 @@ class NVMeOffload:
                         self.swap.wait(h)
                     except SwapWriteError:
                         pass  # its earlier eviction's write failed: the data is in memory; end_step() reports it
+                    except SwapError as exc:  # a read: the state is lost here, and the other ranks would wait
+                        _comm.announce_failure(f"{type(exc).__name__}: {exc}")
+                        raise
                     if dirty:
                         self.swap.mark_dirty(h)
         except BaseException:
@@ -373,18 +375,3 @@ class NVMeOffload:
         self.swap.close()
         with contextlib.suppress(OSError):
             os.rmdir(self.swap.directory)
-
-
-class NVMeCPUAdam(CPUAdam):
-    """``CPUAdam`` whose ``exp_avg`` / ``exp_avg_sq`` live in ``offload`` (files, within a resident budget).
-
-    Same arguments as ``CPUAdam`` plus ``offload``; the same as ``CPUAdam(params, state_store=offload)``.  Steps
-    run over chunks of parameters whose state fits half the budget, the next chunk read ahead while one steps;
-    speculative steps (on CPUAdam's worker) make their one parameter's state resident for the step.
-    """
-
-    def __init__(self, params: Iterable, offload: NVMeOffload, **kwargs: Any):
-        if not isinstance(offload, NVMeOffload):
-            raise TypeError(f"NVMeCPUAdam: offload must be an NVMeOffload, got {type(offload).__name__}")
-        self.offload = offload
-        super().__init__(params, state_store=offload, **kwargs)

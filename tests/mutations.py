@@ -959,6 +959,13 @@ MUTATIONS = {
     "offloaded_state_read_unswapped": Mutation(
         "offload/nvme.py", "track", "        return ResidentOnRead(state, self, key)", "        return state",
         ("tests/test_offload.py::test_reading_offloaded_state_through_opt_state_gives_its_values",)),
+    "swap_read_failure_kept_to_one_rank": Mutation(
+        "offload/nvme.py", "acquire", '                        _comm.announce_failure(f"{type(exc).__name__}: {exc}")',
+        "                        pass",
+        ("tests/test_offload.py::test_a_swap_read_failing_on_one_rank_is_named_on_every_rank",)),
+    "nvme_offload_shared_by_two_optimizers": Mutation(
+        "offload/nvme_adam.py", "__init__", "        _adopt(offload, self)", "        pass",
+        ("tests/test_offload.py::test_one_nvme_offload_for_two_optimizers_is_refused_and_a_dropped_ones_is_taken_over",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

@@ -3,6 +3,7 @@ concurrency and injected I/O faults without deadlock, lost or stale data; CPU of
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import random
@@ -420,3 +421,63 @@ def test_reading_offloaded_state_through_opt_state_gives_its_values(tmp_path):
     # A swapped-out moment keeps its shape over freed memory: reading it through opt.state (a norm logged, the
     # state printed) read freed memory, and the process died with SIGSEGV (hence a rank of its own here).
     assert run_on_ranks(1, _read_offloaded_state_case, str(tmp_path)) == [True]
+
+
+def _swap_files_lost_on_one_rank_case(directory: str) -> str:
+    import glob
+
+    import shardtensor
+
+    rank = torch.distributed.get_rank()
+    shardtensor.set_collective_timeout(60)
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)))
+    offload = NVMeOffload(os.path.join(directory, f"rank{rank}"), budget_bytes=600, buffer_bytes=4096, workers=1)
+    opt = NVMeCPUAdam(model.parameters(), offload, lr=1e-2, speculative=False)
+    try:
+        for step in range(3):
+            if step == 2 and rank == 1:  # a /tmp cleaner, a failing drive: the next read of a swapped unit fails
+                for path in glob.glob(os.path.join(directory, "rank1", "*", "*.swp")):
+                    os.remove(path)
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_swap_read_failing_on_one_rank_is_named_on_every_rank(tmp_path):
+    # Rank 1 raised SwapError at once; rank 0 waited in the step's norm all-reduce until the collective timeout
+    # and then named only the timeout.
+    start = time.monotonic()
+    failed_here, other = run_on_ranks(2, _swap_files_lost_on_one_rank_case, str(tmp_path))[::-1]
+    assert failed_here.startswith("SwapError") and "swap read" in failed_here, failed_here
+    assert "DivergenceError" in other and "rank 1 already failed" in other and "swap read" in other, other
+    assert time.monotonic() - start < 50, "the other rank waited for the collective timeout"
+
+
+def test_one_nvme_offload_for_two_optimizers_is_refused_and_a_dropped_ones_is_taken_over(tmp_path):
+    # Both were accepted; the second's first step raised "NVMeOffload.register: unit 0 is already registered",
+    # naming neither the cause nor the fix.
+    import gc
+
+    torch.manual_seed(0)
+    actor, critic = nn.Linear(8, 8), nn.Linear(8, 1)
+    offload = NVMeOffload(tmp_path, budget_bytes=1 << 20)
+    first = NVMeCPUAdam(actor.parameters(), offload, lr=1e-2, speculative=False)
+    actor(torch.randn(2, 8)).sum().backward()
+    first.step()
+    with pytest.raises(ValueError, match="own NVMeOffload"):
+        NVMeCPUAdam(critic.parameters(), offload, lr=1e-2, speculative=False)
+    del first
+    gc.collect()
+    second = NVMeCPUAdam(critic.parameters(), offload, lr=1e-2, speculative=False)  # the dropped one's state goes
+    plain = copy.deepcopy(critic)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    for model, opt in ((critic, second), (plain, reference)):
+        model(x).square().mean().backward()
+        opt.step()
+    for p, q in zip(critic.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

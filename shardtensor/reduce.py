@@ -171,6 +171,7 @@ class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
         self._deferred_task: dict[str, int] = {}  # key -> the backward (graph task) that last deferred it
         self._holders_queued_for = None  # the deferring backward whose end gives their .grad shards a scale log
         self._local_sums: set[int] = set()  # kept-whole parameters whose .grad got gradients while sync was off
+        self._averaged_at_once: set[int] = set()  # kept-whole parameters a hook averaged in this backward
         self.units = None  # _units.UnitSet: its parameters' gradients are reduced per unit, not here
         self._frozen: dict[int, tuple] = {}  # id(param) -> (param, key, group, handles): hooked once trainable
         self.compiled_params: dict[str, ShardedParam] = {}  # key -> parameter, for compiled backwards' reductions
@@ -299,6 +300,7 @@ class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
             if local is not None:
                 grad.add_(local)
             _comm.all_reduce(grad, group, op="avg", label=f"average of the replicated gradient of {name!r}")
+            self._averaged_at_once.add(id(param))
             if local is None:
                 return grad
             self._local_sums.discard(id(param))
@@ -341,14 +343,18 @@ class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
         buckets: dict = {}  # gradients are left as they are (the next synced end averages them)
         if not failed:
             self._local_sums.clear()
+        averaged, self._averaged_at_once = self._averaged_at_once, set()
         # Frozen ones too: a sum kept while sync was off must be averaged, and the layout is the same on every rank.
         for param, group, name in self._replicated_params.values():
             buckets.setdefault((id(group), param.dtype, param.device), (group, []))[1].append((param, name))
         for group, params in buckets.values():
-            self._average_replicated(group, params, failed)
+            self._average_replicated(group, params, failed, averaged)
 
     @torch.no_grad()
-    def _average_replicated(self, group, params: list, failed: bool) -> None:
+    def _average_replicated(self, group, params: list, failed: bool, averaged: set) -> None:
+        """``averaged``: ids of parameters a hook averaged during this backward; their ``.grad`` is the mean on
+        every rank already and is not written again (the write's version bump read as a gradient rewritten after
+        its hooks, and ``CPUAdam`` paused speculation for the whole model)."""
         sizes = [param.numel() for param, _ in params]
         total = sum(sizes)
         flat = torch.zeros(total + len(params), dtype=params[0][0].dtype, device=params[0][0].device)
@@ -361,8 +367,8 @@ class GradSync(DeferredGradients, _traced_grads.CompiledReductions):
         _comm.all_reduce(flat, group, label=f"replicated gradients of {params[0][1]!r} and {len(params) - 1} more{frozen}")
         world = _comm.world_size(group)
         for k, (param, _) in enumerate(params):
-            if counts[k] == 0 or failed:
-                continue  # no rank has a gradient for it
+            if counts[k] == 0 or failed or id(param) in averaged:
+                continue  # no rank has a gradient for it, or it is the mean already
             mean = values[k].div_(world).view_as(param)
             if param.grad is None:
                 param.grad = mean.clone()

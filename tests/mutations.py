@@ -966,6 +966,10 @@ MUTATIONS = {
     "nvme_offload_shared_by_two_optimizers": Mutation(
         "offload/nvme_adam.py", "__init__", "        _adopt(offload, self)", "        pass",
         ("tests/test_offload.py::test_one_nvme_offload_for_two_optimizers_is_refused_and_a_dropped_ones_is_taken_over",)),
+    "replicated_mean_written_again": Mutation(
+        "shardtensor/reduce.py", "_average_replicated",
+        "            if counts[k] == 0 or failed or id(param) in averaged:", "            if counts[k] == 0 or failed:",
+        ("tests/test_cpu_adam.py::test_replicated_parameters_leave_speculation_running",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

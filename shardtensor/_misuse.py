@@ -267,7 +267,8 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
                 f"shardtensor: parameter {fqn!r} was removed from its module after shard_module (a parametrization "
                 "such as weight_norm, spectral_norm or register_parametrization moves it, as does del): the "
                 "tensors that replace it are not sharded and their gradients are not averaged across ranks. Fix: "
-                "apply parametrizations before shard_module.")
+                "apply parametrizations before shard_module; to remove one (remove_weight_norm, "
+                "remove_parametrizations, for export), call shardtensor.unshard_module(model) first.")
         if isinstance(current, ShardedParam) and current._gatherer is gatherer \
                 and not any(current is other for _, _, other in owners):  # p.detach().requires_grad_()
             raise RuntimeError(

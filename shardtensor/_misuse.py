@@ -282,6 +282,13 @@ def check_not_moved(owners: list, gatherer, impls: dict) -> None:
                 f"{current._name!r} (weights tied after sharding, model.head.weight = model.emb.weight): the two "
                 "were sharded apart, and the tie would drop the first's gradient hook and gathers. Fix: tie the "
                 "weights before shard_module (shard_module keeps tied parameters tied).")
+        if isinstance(current, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(current):
+            raise RuntimeError(
+                f"shardtensor: parameter {fqn!r} is a torch.func transform's tensor here (grad or vmap over "
+                "functional_call's parameters: per-sample gradients, MAML): a transform over the parameters of a "
+                "sharded model is not supported, its gradients would reach no reduction. Fix: transforms with "
+                "respect to the input work; for ones over the parameters use an unsharded copy (a plain model that "
+                "loaded shardtensor.full_state_dict(model)), or torch.autograd.grad per sample.")
         what = f"{type(current).__name__}({tuple(current.shape)}, {current.dtype}, {current.device})" \
             if isinstance(current, torch.Tensor) else repr(current)
         raise RuntimeError(

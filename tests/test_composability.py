@@ -149,6 +149,30 @@ def test_torch_func_transforms_of_the_input_equal_unsharded(gather):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+def per_sample_grads_over_params_case() -> str:
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = shardtensor.shard_module(_Regressor().double())
+    x = torch.randn(3, 6, dtype=torch.float64)
+
+    def loss(params, xi):
+        return functional_call(model, params, (xi[None],)).square().sum()
+
+    try:  # the per-sample-gradients tutorial's recipe, with the sharded parameters themselves
+        vmap(grad(loss), in_dims=(None, 0))(dict(model.named_parameters()), x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+# The refusal said "converted or replaced ... functional_call takes the sharded parameters themselves", which is
+# what the user had passed.
+def test_torch_func_transforms_over_the_parameters_are_named_as_such():
+    for message in run_on_ranks(2, per_sample_grads_over_params_case):
+        assert "torch.func transform" in message and "over the parameters" in message, message
+
+
 # ---------------------------------------------------------------------------------------------- checkpointing
 def ckpt_case(world: int, ckpt: "bool | str", gather: str) -> tuple:
     torch.manual_seed(0)

@@ -109,6 +109,7 @@ def _identity_all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str,
     if start is not None:
         _TimedWork(start(out, inp), "identity all-gather", inp, group, what, seq).wait()
         return
+    _stall.publish_process()  # (once per process)
     exchange = _div.StoreExchange.open(group, inp, seq)  # the group's first exchange (see its docstring)
     if exchange is not None:
         _TimedWork(exchange, "identity all-gather", inp, group, what, seq).wait()

@@ -9,7 +9,8 @@ position (group, sequence number, label) under a per-rank key of the default sto
 needed) and reads the others'.  It raises ``DivergenceError`` only on proof: every other rank of the group is
 itself blocked, over a probe interval, where it cannot progress while this one waits (another sequence number
 or label of this group, or a collective of another group that this rank has not issued), or another rank
-already failed while this one waited.  A rank that is merely busy
+already failed while this one waited; and it raises ``CollectiveError`` where another rank's process, on this
+host, is gone (killed, or its script ended: shared memory, unlike a socket, tells no one).  A rank that is merely busy
 elsewhere (rank 0 writing a checkpoint alone) is not proof: this rank then logs a warning naming both positions
 and keeps waiting up to ``collective_timeout()``.
 """
@@ -20,12 +21,14 @@ import datetime
 import json
 import logging
 import os
+import socket
 import time
 from typing import Optional
 
 import torch.distributed as dist
 
 from ._comm_divergence import DivergenceError, _Position, _positions, _store, positive_seconds
+from ._comm_work import CollectiveError
 from ._comm_fixes import _FIX
 
 log = logging.getLogger("shardtensor")
@@ -57,15 +60,62 @@ def _publish(store, record: dict) -> None:
 
 
 def _read(store, global_rank: int) -> Optional[dict]:
+    return _read_key(store, _key(global_rank))
+
+
+def _read_key(store, key: str) -> Optional[dict]:
     try:
-        if not store.check([_key(global_rank)]):
+        if not store.check([key]):
             return None
-        return json.loads(store.get(_key(global_rank)))
+        return json.loads(store.get(key))
     except Exception:  # noqa: BLE001
         return None
 
 
 _reset_record = [False]  # this rank published "failed" or "waiting": its next completed wait says "running"
+_published = [False]
+_processes: dict = {}  # global rank -> (host and pid namespace, pid) read from the store, None while unpublished
+
+
+def _where_pids_live() -> Optional[str]:
+    """This host and pid namespace (two containers may share a host name, not their pids); None off Linux."""
+    try:
+        return f"{socket.gethostname()} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+_HERE = _where_pids_live()
+
+
+def publish_process() -> None:
+    """This rank's host and pid, once per process (at a group's first exchange, where every rank is): a rank
+    waiting on it through shared memory, which no dead process closes, can then tell that it is gone."""
+    if _published[0] or _HERE is None or not dist.is_initialized() or (store := _store()) is None:
+        return
+    try:
+        store.set(f"shardtensor/process/{dist.get_rank()}", json.dumps({"where": _HERE, "pid": os.getpid()}))
+        _published[0] = True
+    except Exception:  # noqa: BLE001 - advisory, as the probes are
+        pass
+
+
+def _gone(store, global_rank: int) -> Optional[int]:
+    """The pid of ``global_rank``'s process where it ran beside this one (host and pid namespace) and has ended
+    (exited or killed: gone, or a zombie its launcher has not reaped yet); None otherwise."""
+    if _processes.get(global_rank) is None:
+        record = _read_key(store, f"shardtensor/process/{global_rank}")
+        _processes[global_rank] = (record["where"], record["pid"]) if record else None
+    where_pid = _processes.get(global_rank)
+    if where_pid is None or where_pid[0] != _HERE:
+        return None
+    try:
+        with open(f"/proc/{where_pid[1]}/stat") as f:
+            return where_pid[1] if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X") else None
+    except FileNotFoundError:
+        return where_pid[1]
+    except (OSError, IndexError):
+        return None
 
 
 def publish_failure(message: str) -> None:
@@ -160,6 +210,16 @@ def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
     me = dist.get_rank()
     others = [r for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD) if r != me]
     records = {r: _read(store, r) for r in others}
+    for r in others:
+        pid = _gone(store, r)
+        if pid is not None:
+            message = (f"shardtensor rank {me}: waiting at collective #{mine['seq']} on group {mine['group']} "
+                       f"({mine['label']}), but rank {r}'s process (pid {pid}) is gone: killed (out of memory?) or "
+                       "its script ended (a rank with fewer batches than the others, code after the loop that only "
+                       "some ranks run). Fix: give every rank the same number of steps (drop or pad the last "
+                       "batches, e.g. DistributedSampler(drop_last=True)), and run evaluations on every rank.")
+            publish_failure(message)
+            raise CollectiveError(message)
     for r, rec in records.items():
         # A failure older than this rank's last completed wait is over: that rank went on to complete it.
         if rec and rec.get("state") == "failed" and rec.get("time", 0) > _last_progress:

@@ -970,6 +970,9 @@ MUTATIONS = {
         "shardtensor/reduce.py", "_average_replicated",
         "            if counts[k] == 0 or failed or id(param) in averaged:", "            if counts[k] == 0 or failed:",
         ("tests/test_cpu_adam.py::test_replicated_parameters_leave_speculation_running",)),
+    "gone_peer_waited_for": Mutation(
+        "shardtensor/_comm_stall.py", "_compare", "        if pid is not None:", "        if False:",
+        ("tests/test_reliability.py::test_a_rank_whose_process_is_gone_is_named_not_waited_for",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

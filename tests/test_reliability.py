@@ -576,6 +576,54 @@ def test_a_rank_that_skips_a_step_or_dies_fails_the_other_with_a_named_step_not_
     assert "CollectiveError" in dead_message and "all-gather of '" in dead_message, dead_message
 
 
+def _gone_peer_worker(rank: int, port: int, gather: str, how: str, results) -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    shardtensor.set_collective_timeout(60)
+    model = shardtensor.shard_module(_mlp(), gather=gather)
+    x = torch.randn(2, 3)
+    model(x).sum().backward()  # one good step on both ranks
+    if rank == 1:  # fewer batches than rank 0 (its script ends), or killed (out of memory)
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(0)
+    time.sleep(1.0)
+    try:
+        model(x)  # rank 0's extra batch
+        out = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out = f"{type(exc).__name__}: {exc}"
+    _report_and_exit(results, 0, {"error": out})
+
+
+# Where the ranks share a host their identity records go through shared memory, which no dead process closes: the
+# survivor waited the whole collective timeout (600 s by default) for a rank that had exited or been killed.
+@pytest.mark.parametrize("gather,how", [("overlapped", "exited"), ("sequential", "killed")])
+def test_a_rank_whose_process_is_gone_is_named_not_waited_for(gather, how):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gone_peer_worker, args=(r, port, gather, how, results), daemon=True)
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:  # (rank 1 is not reaped meanwhile: it stays a zombie, as under a launcher that has not looked yet)
+        _, out = results.get(timeout=120)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    assert "CollectiveError" in out["error"] and "rank 1" in out["error"], out
+    assert "process" in out["error"] and "is gone" in out["error"], out
+    assert "did not complete within" not in out["error"], out
+
+
 class _FailingWork:
     def wait(self, timeout=None):
         raise RuntimeError("Timed out waiting 1000ms for recv operation to complete")

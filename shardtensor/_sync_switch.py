@@ -44,7 +44,12 @@ class _OffInside:
         self._grad_sync.enabled = self._previous
 
 
-HABITS = ("no_sync", "set_requires_gradient_sync")
+HABITS = ("no_sync", "set_requires_gradient_sync", "join", "join_hook")
+_JOIN_REFUSAL = ("{what} on a model sharded by shardtensor (DDP's uneven inputs: ranks with different numbers of "
+                 "batches): it cannot stand in for a rank that has stopped, because every gather and gradient "
+                 "reduction needs every rank's rows. Fix: give every rank the same number of steps "
+                 "(DistributedSampler(drop_last=True), or let a rank that has run out step on an empty batch: an "
+                 "empty batch runs and the mean over ranks stays right).")
 
 
 def attach_habits(module: nn.Module, grad_sync) -> None:
@@ -57,7 +62,13 @@ def attach_habits(module: nn.Module, grad_sync) -> None:
     def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         SyncSwitch(grad_sync, requires_gradient_sync, "set_requires_gradient_sync")
 
-    for name, fn in zip(HABITS, (no_sync, set_requires_gradient_sync)):
+    def join(*args, **kwargs):
+        raise NotImplementedError(_JOIN_REFUSAL.format(what="model.join()"))
+
+    def join_hook(**kwargs):
+        raise NotImplementedError(_JOIN_REFUSAL.format(what="torch.distributed.algorithms.Join([model])"))
+
+    for name, fn in zip(HABITS, (no_sync, set_requires_gradient_sync, join, join_hook)):
         if not hasattr(type(module), name) and name not in module.__dict__:
             module.__dict__[name] = fn
 

@@ -55,6 +55,18 @@ def test_ddp_and_fsdp2_accumulation_names_work_on_a_sharded_model(how):
         assert out["switched"] == [False, True] and out["off"] < 1e-12 and out["gone_after_unshard"], out
 
 
+def test_ddps_join_for_uneven_inputs_is_refused_naming_the_fix():
+    # Both were torch's bare AttributeError ('Linear' object has no attribute 'join_hook' / 'join').
+    from torch.distributed.algorithms import Join
+
+    model = shardtensor.shard_module(nn.Linear(4, 4))
+    for enter in (lambda: Join([model]), model.join):
+        with pytest.raises(NotImplementedError, match="drop_last=True"):
+            enter()
+    shardtensor.unshard_module(model)
+    assert not hasattr(model, "join") and not hasattr(model, "join_hook")
+
+
 def test_a_models_own_no_sync_is_left_alone():
     class Own(nn.Linear):
         def no_sync(self):

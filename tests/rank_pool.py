@@ -158,6 +158,17 @@ def run_on_ranks(world: int, fn: Callable, *args, timeout: float = 240.0, **kwar
     return pool.run(fn, args, kwargs, timeout)
 
 
+def run_on_ranks_then_discard(world: int, fn: Callable, *args, timeout: float = 240.0, **kwargs) -> list:
+    """``run_on_ranks``, then the pool is stopped (the next call starts a fresh one): for a job that fails on one
+    rank before a collective the others entered, which leaves the ranks' collective counts apart."""
+    try:
+        return run_on_ranks(world, fn, *args, timeout=timeout, **kwargs)
+    finally:
+        pool = _POOLS.pop(world, None)
+        if pool is not None:
+            pool.kill()
+
+
 @atexit.register
 def _shutdown() -> None:
     for pool in list(_POOLS.values()):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from rank_pool import run_on_ranks
+from rank_pool import run_on_ranks, run_on_ranks_then_discard
 from shardtensor.offload import CPUOffload, NVMeCPUAdam, NVMeOffload, SwapError, SwapSpace
 from shardtensor.offload.swap import SwapState
 
@@ -451,7 +451,7 @@ def test_a_swap_read_failing_on_one_rank_is_named_on_every_rank(tmp_path):
     # Rank 1 raised SwapError at once; rank 0 waited in the step's norm all-reduce until the collective timeout
     # and then named only the timeout.
     start = time.monotonic()
-    failed_here, other = run_on_ranks(2, _swap_files_lost_on_one_rank_case, str(tmp_path))[::-1]
+    failed_here, other = run_on_ranks_then_discard(2, _swap_files_lost_on_one_rank_case, str(tmp_path))[::-1]
     assert failed_here.startswith("SwapError") and "swap read" in failed_here, failed_here
     assert "DivergenceError" in other and "rank 1 already failed" in other and "swap read" in other, other
     assert time.monotonic() - start < 50, "the other rank waited for the collective timeout"

@@ -221,8 +221,12 @@ def _compare(store, group, mine: dict, seen: dict, warned_at: float) -> float:
             publish_failure(message)
             raise CollectiveError(message)
     for r, rec in records.items():
-        # A failure older than this rank's last completed wait is over: that rank went on to complete it.
-        if rec and rec.get("state") == "failed" and rec.get("time", 0) > _last_progress:
+        # A failure older than this rank's last completed wait is over where that rank went on: its next completed
+        # wait, or its own probe, overwrites the record.  One still there a probe later did not go on (this rank
+        # saw its last wait complete late: the peer had posted its part, then failed).
+        failed_at = rec.get("time", 0) if rec and rec.get("state") == "failed" else None
+        stale_twice, seen[("failed", r)] = failed_at is not None and seen.get(("failed", r)) == failed_at, failed_at
+        if failed_at is not None and (failed_at > _last_progress or stale_twice):
             message = (f"shardtensor rank {me}: waiting at collective #{mine['seq']} on group {mine['group']} "
                        f"({mine['label']}), but rank {r} already failed:\n  {rec.get('message', '')}\n{_FIX}")
             publish_failure(message)  # a third rank waiting on this one learns it too

@@ -973,6 +973,11 @@ MUTATIONS = {
     "gone_peer_waited_for": Mutation(
         "shardtensor/_comm_stall.py", "_compare", "        if pid is not None:", "        if False:",
         ("tests/test_reliability.py::test_a_rank_whose_process_is_gone_is_named_not_waited_for",)),
+    "failure_before_late_completion_ignored": Mutation(
+        "shardtensor/_comm_stall.py", "_compare",
+        "        if failed_at is not None and (failed_at > _last_progress or stale_twice):",
+        "        if failed_at is not None and failed_at > _last_progress:",
+        ("tests/test_reliability.py::test_a_failure_announced_before_a_late_completion_is_still_named",)),
     "reducer_refusal_kept_to_one_rank": Mutation(
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",

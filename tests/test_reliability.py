@@ -21,7 +21,7 @@ from torch import nn
 import shardtensor
 from shardtensor import ShardedOpError, ShardedParam, _comm
 from shardtensor.checkpoint_files import CheckpointError, load_shards, save_shards
-from rank_pool import run_on_ranks
+from rank_pool import run_on_ranks, run_on_ranks_then_discard
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -622,6 +622,29 @@ def test_a_rank_whose_process_is_gone_is_named_not_waited_for(gather, how):
     assert "CollectiveError" in out["error"] and "rank 1" in out["error"], out
     assert "process" in out["error"] and "is gone" in out["error"], out
     assert "did not complete within" not in out["error"], out
+
+
+def _failure_seen_after_a_late_completion_case() -> str:
+    from shardtensor import _comm_stall
+
+    shardtensor.set_collective_timeout(60)
+    if torch.distributed.get_rank() == 1:  # fails before a collective the other enters, and says so
+        _comm.announce_failure("ValueError: rank 1 refused its input")
+        return "announced"
+    time.sleep(0.5)
+    _comm_stall._last_progress = time.time()  # this rank saw its last wait complete after the peer's failure
+    try:
+        _comm.all_reduce(torch.ones(3), label="the collective rank 1 never issues")
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# A failure published before this rank's last completed wait was taken for one the ranks went on from: under load
+# rank 0 saw a collective complete after rank 1 had posted its part and then failed, and waited the whole timeout.
+def test_a_failure_announced_before_a_late_completion_is_still_named():
+    other, _ = run_on_ranks_then_discard(2, _failure_seen_after_a_late_completion_case)
+    assert "DivergenceError" in other and "rank 1 already failed" in other and "refused its input" in other, other
 
 
 class _FailingWork:

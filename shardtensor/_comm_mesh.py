@@ -29,6 +29,30 @@ def default_group_or(group: ProcessGroup) -> ProcessGroup:
     return group
 
 
+def as_sharding_group(group) -> ProcessGroup:
+    """``shard_module``'s ``group=`` as a process group of this rank's: a 1-d ``DeviceMesh`` (FSDP2's ``mesh=``
+    habit) is its group; anything else is named with the fix (a mesh, a list of ranks and a group without this
+    rank failed deep in torch: a bare ``KeyError``, ``'list' object has no attribute 'size'``)."""
+    if group is None:
+        return None
+    if is_distributed() and group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("shard_module(group=...): this rank is not a member of the group (dist.new_group returns "
+                         "that marker on the ranks it leaves out). Fix: call shard_module on the group's members "
+                         "only, or pass a group that holds this rank.")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim == 1:
+            return group.get_group()
+        raise TypeError(f"shard_module(group=...): a {group.ndim}-d DeviceMesh (dimensions "
+                        f"{group.mesh_dim_names}): shard over one of its dimensions, group=mesh.get_group(name).")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"shard_module(group=...): expected a torch.distributed ProcessGroup, got "
+                        f"{type(group).__name__}. Fix: group = torch.distributed.new_group(ranks) on every rank, "
+                        "a 1-d DeviceMesh, or None for the default group.")
+    return group
+
+
 def device_mesh(group: ProcessGroup, device_type: str):
     """A 1-d ``DeviceMesh`` over ``group`` (cached), for ``ShardedParam.to_dtensor``.  Creates no communicator."""
     if not is_distributed():

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from . import _agreement, _comm, _misuse, _misuse_optim, _torch_state_dict  # noqa: F401  (_misuse_optim: step hooks)
-from . import _traced_grads
+from . import _comm_mesh, _traced_grads
 from ._layout import ShardLayout
 from ._sync_switch import attach_habits
 from ._traced import record_param_dtype
@@ -121,6 +121,7 @@ def shard_module(
             f"shard_module: {type(module).__name__} is already sharded (it holds ShardedParams). "
             "Shard each model once; to re-shard, call shardtensor.unshard_module(model) first."
         )
+    group = _comm_mesh.as_sharding_group(group)
     _refuse_parameters_sharded_elsewhere(module)
     _misuse.refuse_uninitialized_parameters(module)
     _refuse_sparse_embeddings(module)

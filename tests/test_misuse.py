@@ -977,3 +977,31 @@ def test_rank_0s_optimizer_file_over_two_groups_is_refused_on_every_rank():
     messages = run_on_ranks(2, rank0_file_two_groups_case, timeout=120)
     assert "another rank's optimizer state is not its own rows" in messages[0], messages
     assert "is rank 0's rows of a 2-rank run, but this is rank 1 of 2" in messages[1], messages
+
+
+def _group_arguments_case() -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = shardtensor.shard_module(nn.Linear(4, 6), group=mesh)  # FSDP2's mesh= habit: a 1-d mesh is its group
+    out["mesh_group_size"] = model.weight.shard_layout.world
+    half = dist.new_group([0])  # rank 1 is not a member
+    for name, group in (("list", [0, 1]), ("not_a_member", half)):
+        try:
+            shardtensor.shard_module(nn.Linear(4, 6), group=group)
+            out[name] = "no error"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_group_arguments_are_named_and_a_1d_mesh_is_taken_as_its_group():
+    # A DeviceMesh was a bare KeyError from torch, a list of ranks "'list' object has no attribute 'size'", a group
+    # without this rank torch's "Invalid process group specified".
+    for rank, out in enumerate(run_on_ranks(2, _group_arguments_case)):
+        assert out["mesh_group_size"] == 2, out
+        assert "expected a torch.distributed ProcessGroup" in out["list"] and "new_group" in out["list"], out
+        if rank == 1:
+            assert "not a member" in out["not_a_member"], out

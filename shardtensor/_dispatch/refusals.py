@@ -71,4 +71,7 @@ def _user_collective(func, args, kwargs):
         "from rank 0's weights, and backward averages each gradient across ranks. Fix: delete the manual "
         "all_reduce of gradients (and the division by the world size) or the broadcast of parameters; use a "
         "torch.optim optimizer, not ZeroRedundancyOptimizer (its state is sharded already); to send a full "
-        "copy, pass p.full_tensor() (gathered on every rank) or p.to_local() (this rank's rows).")
+        "copy, pass p.full_tensor() (gathered on every rank) or p.to_local() (this rank's rows). A model sharded "
+        "over a subgroup is averaged within that group only: to average across its replicas (HSDP), all-reduce "
+        "p.grad.to_local() over the replica group and divide by its size, where every member of that group holds "
+        "the same rows (shard groups of one size, their ranks in the same order).")

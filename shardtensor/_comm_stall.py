@@ -73,8 +73,8 @@ def _read_key(store, key: str) -> Optional[dict]:
 
 
 _reset_record = [False]  # this rank published "failed" or "waiting": its next completed wait says "running"
-_published = [False]
-_processes: dict = {}  # global rank -> (host and pid namespace, pid) read from the store, None while unpublished
+_published: dict = {}  # id of the default store this process published its pid in -> True
+_processes: dict = {}  # (id of the default store, global rank) -> (host and pid namespace, pid) last read
 
 
 def _where_pids_live() -> Optional[str]:
@@ -91,22 +91,24 @@ _HERE = _where_pids_live()
 def publish_process() -> None:
     """This rank's host and pid, once per process (at a group's first exchange, where every rank is): a rank
     waiting on it through shared memory, which no dead process closes, can then tell that it is gone."""
-    if _published[0] or _HERE is None or not dist.is_initialized() or (store := _store()) is None:
+    if _HERE is None or not dist.is_initialized() or (store := _store()) is None or id(store) in _published:
         return
     try:
         store.set(f"shardtensor/process/{dist.get_rank()}", json.dumps({"where": _HERE, "pid": os.getpid()}))
-        _published[0] = True
+        _published[id(store)] = True
     except Exception:  # noqa: BLE001 - advisory, as the probes are
         pass
 
 
 def _gone(store, global_rank: int) -> Optional[int]:
     """The pid of ``global_rank``'s process where it ran beside this one (host and pid namespace) and has ended
-    (exited or killed: gone, or a zombie its launcher has not reaped yet); None otherwise."""
-    if _processes.get(global_rank) is None:
-        record = _read_key(store, f"shardtensor/process/{global_rank}")
-        _processes[global_rank] = (record["where"], record["pid"]) if record else None
-    where_pid = _processes.get(global_rank)
+    (exited or killed: gone, or a zombie its launcher has not reaped yet); None otherwise.  Keyed by the store:
+    a process that starts another world (init_process_group again) must not take an old peer's pid for a new one."""
+    key = (id(store), global_rank)
+    record = _read_key(store, f"shardtensor/process/{global_rank}")  # (kept for when the store's host is gone)
+    if record:
+        _processes[key] = (record["where"], record["pid"])
+    where_pid = _processes.get(key)
     if where_pid is None or where_pid[0] != _HERE:
         return None
     try:

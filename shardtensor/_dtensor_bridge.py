@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _comm
+from . import _comm, _grad_edits
 from ._layout import ShardLayout
 
 
@@ -67,6 +67,7 @@ def to_dtensor(param):
     """
     from torch.distributed.tensor import DTensor, Shard
 
+    _grad_edits.refuse_read_of_pending(param, "to_dtensor()")
     if param._views:
         raise ValueError(f"to_dtensor: {param._name or 'tensor'!r} is a view of a shard; call it on the parameter")
     layout = param._layout

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _comm
+from . import _comm, _grad_edits
 from ._layout import ShardLayout, apply_views
 
 if TYPE_CHECKING:
@@ -64,4 +64,5 @@ class _FullTensor(torch.autograd.Function):
 
 def full_tensor_of(param: ShardedParam) -> torch.Tensor:
     """``param.full_tensor()``: a differentiable gather whose result the caller owns."""
+    _grad_edits.refuse_read_of_pending(param, "full_tensor()")
     return _FullTensor.apply(param)

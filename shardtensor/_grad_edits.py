@@ -20,7 +20,8 @@ where they happen, in the op table, and the sum is brought up to date before it 
   expert skipped, a reentrant checkpoint's inner backward) keeps its log.
 
 Anything else a script does with such a ``.grad`` outside a backward is refused with ``ShardedOpError`` naming
-the parameter (``refusal_of_use_of_pending``): a read (a clip's norm, ``nan_to_num``, ``clone()``, logging a norm),
+the parameter (``refusal_of_use_of_pending``; ``refuse_read_of_pending`` for ``to_local()``, ``full_tensor()``
+and ``to_dtensor()``, which reach the shard without the op table): a read (a clip's norm, ``nan_to_num``, ``clone()``, logging a norm),
 a write through a row view, a fill with another value, a ``copy_`` into it.  Each of them computed on the
 placeholder's zeros where DDP computes on this rank's sum, and the results differed from DDP silently: a clip
 by norm or value that binds under DDP did nothing, ``p.grad = p.grad / 2`` kept the sum unscaled,
@@ -129,9 +130,24 @@ def refusal_of_use_of_pending(func, args, kwargs, whole_shard) -> Optional[str]:
         return None
     if func in _KEPT_WRITES and _writes_whole_shards(func, args, kwargs, whole_shard):
         return None
+    return _pending_refusal(str(func), pending)
+
+
+def refuse_read_of_pending(grad: torch.Tensor, what: str) -> None:
+    """Raise ``ShardedOpError`` if ``grad`` (a ShardedParam) is a ``.grad`` shard holding a deferral and no
+    backward is running: ``to_local()``, ``full_tensor()`` and ``to_dtensor()`` hand out or gather the shard
+    without the op table, and read the placeholder's zeros (a write into ``to_local()`` was lost)."""
+    local = getattr(grad, "_local", None)
+    if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:
+        from ._dispatch._common import ShardedOpError
+
+        raise ShardedOpError(_pending_refusal(what, local))
+
+
+def _pending_refusal(what: str, pending: torch.Tensor) -> str:
     name = getattr(pending, _NAME, "a sharded parameter")
     return (
-        f"{func} on the .grad of {name!r} between no_sync micro-batches: until the synced backward its gradient "
+        f"{what} on the .grad of {name!r} between no_sync micro-batches: until the synced backward its gradient "
         "is summed aside (the .grad shard holds zeros, not DDP's local sum of this rank), so this op would compute "
         "on zeros and differ from DDP silently. Read, clip, log or replace gradients after the last micro-batch's "
         "backward, run with sync on (outside no_sync / gradient_sync(model, False)). Between micro-batches, "

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from . import _compile, _dtensor_bridge, _exports, _traced
+from . import _compile, _dtensor_bridge, _exports, _grad_edits, _traced
 from ._layout import ShardLayout, ViewStep, apply_views, view_geometry  # noqa: F401  (ViewStep, apply_views: re-exported)
 from ._full import full_tensor_of
 from ._grad_landing import GuardedPostAccumulateHook, GuardedTensorHook
@@ -116,6 +116,7 @@ class ShardedParam(torch.Tensor):
     # ------------------------------------------------------------------ public API
     def to_local(self) -> torch.Tensor:
         """This rank's rows of the base tensor (padded; views not applied).  Never communicates."""
+        _grad_edits.refuse_read_of_pending(self, "to_local()")
         return self._local
 
     def rehome_(self, local: torch.Tensor) -> "ShardedParam":

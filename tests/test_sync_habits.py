@@ -420,6 +420,12 @@ _USES_OF_A_PENDING_GRAD = {  # what a script does to .grad between micro-batches
     "zero-indexed-rows": lambda params: [p.grad.index_put_((torch.tensor([0, 1]),), torch.tensor(0.0, dtype=p.dtype))
                                          for p in params],
     "foreach-mul-list": lambda params: torch._foreach_mul_([p.grad for p in params], [0.5] * len(params)),
+    # the ShardedParam methods that hand out the shard or gather it (they read zeros, and a write into
+    # to_local() was lost: helper 19)
+    "full-tensor": lambda params: [p.grad.full_tensor().norm().item() for p in params],
+    "to-local": lambda params: [p.grad.to_local().norm().item() for p in params],
+    "to-local-write": lambda params: [p.grad.to_local().mul_(0.5) for p in params],
+    "to-dtensor": lambda params: [p.grad.to_dtensor() for p in params],
 }
 
 

@@ -237,7 +237,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
 
     _refuse_per_rank_optimizer(optimizer)
     group, directory = _group(module), Path(path)
-    _same_path_on_every_rank(path, group, "save_checkpoint")
+    _same_call_on_every_rank(path, group, "save_checkpoint", optimizer)
     state = {_MODEL: get_model_state_dict(module)}  # ShardedParams: DCP saves their rows (see the Note above)
     if _comm.rank(group) != 0:  # whole tensors (buffers, kept-whole parameters) are rank 0's, as DDP's buffers:
         state[_MODEL] = {k: v for k, v in state[_MODEL].items()  # DCP wrote each from whichever rank it chose,
@@ -286,7 +286,8 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module, optimizer: Optio
 
     _refuse_per_rank_optimizer(optimizer)
     group, directory = _group(module), Path(path)
-    _same_path_on_every_rank(path, group, "load_checkpoint")
+    _same_call_on_every_rank(path, group, "load_checkpoint", optimizer, strict=strict,
+                             verify_checksums=verify_checksums)
     fresh = optimizer is not None and not optimizer.state
     error, metadata, held = "", None, []
     try:  # the files first, agreed by every rank before any rank makes optimizer state (a step, on some ranks)
@@ -339,15 +340,26 @@ def _raise_if_any_failed(error: str, group, label: str) -> None:
                               + " | ".join(reasons))
 
 
-def _same_path_on_every_rank(path, group, what: str) -> None:
+def _same_call_on_every_rank(path, group, what: str, optimizer, **flags) -> None:
     """DCP's own collectives are neither checked nor timed: a save under `if rank == 0:` waited in them for the
     process group's timeout (30 min), and ranks given different directories (a path from the clock) wrote or
-    read different checkpoints.  This checked exchange names both first."""
-    paths = _comm.all_gather_object((os.fspath(path), os.path.abspath(path)), group,
+    read different checkpoints.  This checked exchange names both first; and an optimizer given on some ranks
+    only (``opt if rank == 0 else None``), or another ``strict``, which loaded one rank's optimizer state and left
+    the others fresh: each rank's rows then stepped from another state, silently."""
+    call = (type(optimizer).__name__ if optimizer is not None else None, sorted(flags.items()))
+    paths = _comm.all_gather_object((os.fspath(path), os.path.abspath(path), call), group,
                                     label=f"{what}: every rank of the group must call it, not only rank 0")
-    if len({absolute for _, absolute in paths}) > 1:  # ("./ckpt/" and "/work/ckpt" in /work are one directory)
+    if len({absolute for _, absolute, _ in paths}) > 1:  # ("./ckpt/" and "/work/ckpt" in /work are one directory)
         which = ", ".join(f"rank {r}: {given!r}" + (f" (= {absolute!r})" if given != absolute else "")
-                          for r, (given, absolute) in enumerate(paths))
+                          for r, (given, absolute, _) in enumerate(paths))
         raise ValueError(f"{what}: the ranks passed different paths ({which}), but a checkpoint is one directory "
                          "that every rank writes and reads. Nothing was written or read. Fix: derive the path "
                          "from something every rank shares (the step number), not the clock or the rank.")
+    if len({repr(c) for _, _, c in paths}) > 1:
+        which = ", ".join(f"rank {r}: optimizer={c[0] or 'None'}" + "".join(f", {k}={v}" for k, v in c[1])
+                          for r, (_, _, c) in enumerate(paths))
+        raise ValueError(f"{what}: the ranks called it with different arguments ({which}). Each rank holds its own "
+                         "rows of the optimizer state, so an optimizer given on some ranks only would be "
+                         f"{'saved' if what == 'save_checkpoint' else 'restored'} there alone and each rank's rows "
+                         "would step from another state. Nothing was written or read. Fix: pass the same arguments "
+                         "on every rank (the optimizer on all of them, or on none).")

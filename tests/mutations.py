@@ -706,7 +706,7 @@ MUTATIONS = {
          "[load a block's state dict]")),
     "save_checkpoint_unchecked": Mutation(
         "shardtensor/checkpoint.py", "save_checkpoint",
-        '    _same_path_on_every_rank(path, group, "save_checkpoint")', '    pass',
+        '    _same_call_on_every_rank(path, group, "save_checkpoint", optimizer)', '    pass',
         ("tests/test_checkpoint.py::test_save_checkpoint_on_rank_0_only_is_named_at_the_collective_timeout",)),
     "step_settings_not_compared": Mutation(
         "shardtensor/_misuse_optim.py", "_step_post_hook",
@@ -982,6 +982,10 @@ MUTATIONS = {
         "optim/compressed.py", "reduce",
         '            _comm.announce_failure(f"{type(exc).__name__}: {exc}")', "            pass",
         ("tests/test_compressed_reducer.py::test_an_error_buffer_refused_on_one_rank_is_named_on_every_rank",)),
+    "checkpoint_calls_not_compared": Mutation(
+        "shardtensor/checkpoint.py", "_same_call_on_every_rank",
+        "    if len({repr(c) for _, _, c in paths}) > 1:", "    if False:",
+        ("tests/test_checkpoint.py::test_an_optimizer_passed_on_some_ranks_only_is_named_before_anything_is_written",)),
     "pending_grad_read_by_to_local": Mutation(
         "shardtensor/_grad_edits.py", "refuse_read_of_pending",
         "    if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:",

@@ -453,6 +453,50 @@ def test_checkpoint_paths_that_differ_between_ranks_are_named_before_anything_is
         assert out["written"] == [], out
 
 
+def optimizer_on_some_ranks(root: str, what: str) -> dict:
+    """``save_checkpoint`` / ``load_checkpoint`` with the optimizer on rank 0 only, or another ``strict``."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    path = os.path.join(root, "ckpt")
+    model = shardtensor.shard_module(_model(0))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    shardtensor.save_checkpoint(path, model, opt)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    before = [t.clone() for state in opt.state.values() for t in state.values()]
+    params = [p.to_local().clone() for p in model.parameters()]
+    calls = {
+        "save": lambda: shardtensor.save_checkpoint(os.path.join(root, "other"), model, opt if rank == 0 else None),
+        "load": lambda: shardtensor.load_checkpoint(path, model, opt if rank == 0 else None),
+        "load, strict on one rank": lambda: shardtensor.load_checkpoint(path, model, opt, strict=rank == 0),
+    }
+    try:
+        calls[what]()
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    after = [t for state in opt.state.values() for t in state.values()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(after, before)) and all(
+        torch.equal(p.to_local(), q) for p, q in zip(model.parameters(), params))
+    return {"message": message, "unchanged": unchanged, "other": os.path.exists(os.path.join(root, "other"))}
+
+
+@pytest.mark.parametrize("what", ["save", "load", "load, strict on one rank"])
+def test_an_optimizer_passed_on_some_ranks_only_is_named_before_anything_is_written(tmp_path, what):
+    """``load_checkpoint(path, model, opt if rank == 0 else None)`` restored rank 0's rows of the optimizer state
+    alone and left the other ranks' fresh: training went on from neither the checkpoint nor a restart, silently
+    (helper 18).  Every rank now raises, naming each rank's call, before anything is read or written."""
+    for out in run_on_ranks(2, optimizer_on_some_ranks, str(tmp_path), what, timeout=120):
+        assert "the ranks called it with different arguments" in out["message"], out
+        assert "rank 0: optimizer=Adam" in out["message"] and "rank 1: optimizer=" in out["message"], out
+        assert out["unchanged"] and not out["other"], out
+
+
 def _groups(model, split: str) -> list:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]

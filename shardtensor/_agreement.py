@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import _comm
+from ._dtensor_loads import take_dtensors
 from ._frames import caller_frame
 
 _AGREED: dict[int, "weakref.ref"] = {}  # tensors a load_state_dict pre-hook has checked, until its post-hook
@@ -152,7 +153,8 @@ def agree_on_load(params: dict, root: bool, module, state_dict: dict, prefix: st
     would refuse (see ``torch_load_errors``), so that refusal too comes before the first copy, on every rank."""
     if root:
         _AGREED.clear()
-    items, refusal, shard_refusal = [], None, None
+    items, refusal = [], None
+    shard_refusal = take_dtensors(params, state_dict, prefix) or None  # (FSDP2's DTensor state dicts)
     for name, param in params.items():
         value = state_dict.get(prefix + name)
         if is_plain(value) or hasattr(value, "_layout"):  # (a wrong shape is refused below, on every rank)

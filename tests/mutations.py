@@ -986,6 +986,10 @@ MUTATIONS = {
         "shardtensor/checkpoint.py", "_same_call_on_every_rank",
         "    if len({repr(c) for _, _, c in paths}) > 1:", "    if False:",
         ("tests/test_checkpoint.py::test_an_optimizer_passed_on_some_ranks_only_is_named_before_anything_is_written",)),
+    "dtensor_state_dict_left_to_torch": Mutation(
+        "shardtensor/_agreement.py", "agree_on_load",
+        "    shard_refusal = take_dtensors(params, state_dict, prefix) or None", "    shard_refusal = None",
+        ("tests/test_checkpoint.py::test_set_model_state_dict_takes_dtensor_state_dicts_or_names_them_on_every_rank",)),
     "pending_grad_read_by_to_local": Mutation(
         "shardtensor/_grad_edits.py", "refuse_read_of_pending",
         "    if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:",

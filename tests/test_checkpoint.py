@@ -158,6 +158,53 @@ def test_dtensor_round_trip(world):
             assert "Shard(dim=1)" in refused and "redistribute" in refused
 
 
+def dtensor_state_dict_case(how: str) -> dict:
+    """FSDP2's resume recipe with shardtensor's DTensor state dict: ``set_model_state_dict(model, sd)`` with
+    ``sd = sharded_state_dict(other)`` (``Shard(0)`` DTensors), the same with ``Replicate()`` DTensors, or one of
+    another shape, or on another mesh."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    source, target = shardtensor.shard_module(_model(1)), shardtensor.shard_module(_model(2))
+    sd = shardtensor.sharded_state_dict(source)
+    mesh = sd["0.weight"].device_mesh
+    if how == "replicated":
+        sd = {k: distribute_tensor(v.full_tensor(), mesh, [Replicate()]) for k, v in sd.items()}
+    elif how == "another shape":
+        sd["2.weight"] = distribute_tensor(torch.zeros(4, 7), mesh, [Shard(0)])
+    elif how == "shard(1)":
+        sd["2.weight"] = distribute_tensor(sd["2.weight"].full_tensor(), mesh, [Shard(1)])
+    before = {k: v.clone() for k, v in shardtensor.full_state_dict(target).items()}
+    try:
+        set_model_state_dict(target, sd)
+        message = "no error"
+    except (ValueError, RuntimeError) as exc:  # (another shape: torch's size-mismatch error, on every rank)
+        message = f"{type(exc).__name__}: {exc}"
+    after = shardtensor.full_state_dict(target)
+    wanted = shardtensor.full_state_dict(source) if message == "no error" else before
+    target(torch.randn(3, 6)).sum().backward()  # every rank goes on to the same collectives
+    return {"message": message, "rank": dist.get_rank(),
+            "equal": all(torch.equal(after[k], wanted[k]) for k in wanted)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("how", ["shard(0)", "replicated", "another shape", "shard(1)"])
+def test_set_model_state_dict_takes_dtensor_state_dicts_or_names_them_on_every_rank(world, how):
+    """``set_model_state_dict(model, shardtensor.sharded_state_dict(other))`` (FSDP2's get / dcp.load / set
+    recipe) raised torch's "got mixed torch.Tensor and DTensor" on the ranks holding rows, and went through on a
+    rank holding none: at world 4 the next collective met ranks that had gone on (helper 18).  A Shard(0) or
+    Replicate() DTensor now loads as the parameter's rows; another shape or placement is refused on every rank,
+    naming the key, with nothing copied."""
+    for out in run_on_ranks(world, dtensor_state_dict_case, how, timeout=120):
+        assert out["equal"], out
+        if how in ("shard(0)", "replicated"):
+            assert out["message"] == "no error", out
+        else:
+            assert "2.weight" in out["message"] and "Nothing was copied" in out["message"], out
+            assert ("ValueError: load_state_dict: '2.weight' is a DTensor" in out["message"]) == (how == "shard(1)")
+
+
 def dtensor_param_case() -> str:
     from torch.distributed.tensor import Shard, distribute_tensor
 

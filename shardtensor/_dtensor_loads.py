@@ -1,0 +1,70 @@
+"""DTensors in a state dict loaded into a sharded model: this rank's rows, taken without a collective.
+
+[Note: DTensor state dicts loaded into shards]
+FSDP2's resume recipe is ``sd = get_model_state_dict(model)``, ``dcp.load(sd)``, ``set_model_state_dict(model,
+sd)``, with DTensor values; a shardtensor user writes it with ``shardtensor.sharded_state_dict(model)``, whose
+values are ``Shard(0)`` DTensors over the parameters' own rows.  torch's ``load_state_dict`` then runs
+``param.copy_(dtensor)``, which DTensor's dispatch refuses ("got mixed torch.Tensor and DTensor") on the ranks that
+hold rows and lets through on a rank that holds none: an error on some ranks only, and the next collective met
+ranks that had gone on.  The load pre-hook (``_agreement.agree_on_load``) therefore puts each such DTensor back as
+what it describes before torch copies anything:
+
+  - ``Shard(0)`` on a 1-d mesh over the parameter's own group, of the parameter's shape: a ShardedParam over the
+    same rows (``ShardedParam.from_dtensor``, a copy into a padded shard), which ``copy_`` writes shard-wise;
+  - ``Replicate()``: its local tensor, a full tensor, checked across ranks like any other;
+  - anything else (another mesh or group, another placement, a layer-wise parameter, another shape): a refusal
+    that rides in the load's exchange, so every rank raises ``ValueError`` naming the key and the fix, with nothing
+    copied.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from . import _comm
+
+
+def _is_dtensor(value: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # (a DTensor exists only once its module is imported)
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def _group_ranks(group) -> list:
+    import torch.distributed as dist
+
+    return list(range(_comm.world_size(group))) if group is None else dist.get_process_group_ranks(group)
+
+
+def take_dtensors(params: dict, state_dict: dict, prefix: str) -> str:
+    """Replace each DTensor of ``state_dict`` headed for one of ``params`` (the module's sharded parameters by
+    name) by what ``copy_`` into a shard takes (see the Note above); the refusal of the first one that cannot be,
+    or ``""``."""
+    from .tensor import ShardedParam
+
+    for name, param in params.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if not _is_dtensor(value):
+            continue
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh, placements = value.device_mesh, tuple(value.placements)
+        if mesh.ndim == 1 and placements == (Replicate(),):
+            state_dict[key] = value.to_local()
+            continue
+        layout = param.shard_layout
+        group = getattr(layout, "group", None)
+        ranks = _group_ranks(mesh.get_group()) if mesh.ndim == 1 else None
+        fits = (mesh.ndim == 1 and placements == (Shard(0),) and tuple(value.shape) == tuple(layout.shape)
+                and type(layout).__name__ == "ShardLayout" and ranks == _group_ranks(group))
+        if not fits:
+            return (f"load_state_dict: {key!r} is a DTensor of shape {tuple(value.shape)} placed {placements} on a "
+                    f"{mesh.ndim}-d mesh{f' of ranks {ranks}' if ranks is not None else ''}, but the sharded "
+                    f"parameter is {tuple(layout.shape)}, split by rows over ranks {_group_ranks(group)}"
+                    f"{'' if type(layout).__name__ == 'ShardLayout' else ' (layer-wise: one rank holds it)'}. "
+                    "Nothing was copied on any rank. Fix: load shardtensor.sharded_state_dict(model) of a model "
+                    "sharded like this one (dcp.load reshards any checkpoint into it), or the full tensors "
+                    "(dtensor.full_tensor() on every rank).")
+        state_dict[key] = ShardedParam.from_dtensor(value, name=key)
+    return ""

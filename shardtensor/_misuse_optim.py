@@ -14,6 +14,7 @@ shardtensor is imported; they cost a count comparison and a set lookup per step)
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -251,7 +252,23 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
     _refuse_optimizer_built_first(optimizer)
     _check_models_before_step(optimizer)
     _refuse_state_of_another_rank(optimizer)
-    _refuse_deferred_gradients(optimizer)
+    if optimizer not in _MAKING_STATE:
+        _refuse_deferred_gradients(optimizer)
+
+
+_MAKING_STATE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def making_state(optimizer: torch.optim.Optimizer):
+    """torch's ``get_optimizer_state_dict`` makes a fresh optimizer's state with a step at lr 0 on zero gradients.
+    That is not the user's step: a save between ``no_sync`` micro-batches was refused with "opt.step(): the
+    gradient is still deferred", naming a step the user never took."""
+    _MAKING_STATE.add(optimizer)
+    try:
+        yield
+    finally:
+        _MAKING_STATE.discard(optimizer)
 
 
 def check_optimizer_step(optimizer: object, params: list[torch.Tensor]) -> None:

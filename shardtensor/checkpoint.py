@@ -48,6 +48,7 @@ from .checkpoint_match import (
     leave_out_what_was_never_saved,
     put_back_settings,
 )
+from ._misuse_optim import making_state
 from .checkpoint_verify import file_records, read_metadata_unverified, verify, write_sidecar
 from .tensor import ShardedParam
 
@@ -188,7 +189,8 @@ def _optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *
     for param, _ in grads:
         param.grad = None
     try:
-        state = get_optimizer_state_dict(module, optimizer)
+        with making_state(optimizer):  # (a step at lr 0, not the user's: see there)
+            state = get_optimizer_state_dict(module, optimizer)
     finally:
         for param, grad in grads:
             param.grad = grad

@@ -990,6 +990,9 @@ MUTATIONS = {
         "shardtensor/_agreement.py", "agree_on_load",
         "    shard_refusal = take_dtensors(params, state_dict, prefix) or None", "    shard_refusal = None",
         ("tests/test_checkpoint.py::test_set_model_state_dict_takes_dtensor_state_dicts_or_names_them_on_every_rank",)),
+    "state_making_step_refused_mid_accumulation": Mutation(
+        "shardtensor/_misuse_optim.py", "making_state", "    _MAKING_STATE.add(optimizer)", "    pass",
+        ("tests/test_checkpoint.py::test_a_save_between_micro_batches_before_the_first_step_saves_and_changes_nothing",)),
     "pending_grad_read_by_to_local": Mutation(
         "shardtensor/_grad_edits.py", "refuse_read_of_pending",
         "    if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:",

@@ -205,6 +205,35 @@ def test_set_model_state_dict_takes_dtensor_state_dicts_or_names_them_on_every_r
             assert ("ValueError: load_state_dict: '2.weight' is a DTensor" in out["message"]) == (how == "shard(1)")
 
 
+def save_between_micro_batches_case(root: str, save: bool) -> dict:
+    """A fresh optimizer, one ``gradient_sync(model, False)`` micro-batch, ``save_checkpoint`` (or not), the synced
+    micro-batch and a step: the parameters after it."""
+    import os
+
+    model = shardtensor.shard_module(_model(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    with shardtensor.gradient_sync(model, False):
+        model(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+    if save:
+        shardtensor.save_checkpoint(os.path.join(root, "ckpt"), model, opt)
+    model(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    return {k: v.clone() for k, v in shardtensor.full_state_dict(model).items()}
+
+
+def test_a_save_between_micro_batches_before_the_first_step_saves_and_changes_nothing(tmp_path):
+    """``save_checkpoint(path, model, opt)`` between ``no_sync`` micro-batches with an optimizer that has not
+    stepped was refused with "AdamW.step(): the gradient is still deferred", naming a step the user never took
+    (the step at lr 0 torch's ``get_optimizer_state_dict`` takes to make state; helper 18).  It saves now, and
+    the step after the synced micro-batch equals the one of a run that did not save."""
+    saved = run_on_ranks(2, save_between_micro_batches_case, str(tmp_path), True, timeout=120)
+    plain = run_on_ranks(2, save_between_micro_batches_case, str(tmp_path), False, timeout=120)
+    assert (tmp_path / "ckpt" / ".metadata").exists()
+    for key in plain[0]:
+        assert torch.equal(saved[0][key], plain[0][key]), key
+
+
 def dtensor_param_case() -> str:
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -22,7 +22,9 @@ import torch
 
 from ._full_optim_state import FullState, agree_on_full_state, is_full_state, own_rows, \
     shaped_for_another_parameter
+from ._dtensor_loads import take_dtensor_state
 from ._misuse import _DEFERRING
+from ._state_to_load_into import drop_if_never_loaded
 from ._step_record import note_optimizer_step, settings_digest  # noqa: F401  (note_optimizer_step: re-exported)
 from ._torch_state_dict import full_optimizer_state_for_torch_helpers
 
@@ -154,7 +156,9 @@ def _refuse_state_of_another_rank(optimizer: torch.optim.Optimizer) -> None:
     if optimizer not in _STATE_SEEN:  # the id alone is not enough: the replaced state's id is often reused
         optimizer.register_load_state_dict_post_hook(_forget_checked_state)
         optimizer.register_state_dict_post_hook(full_optimizer_state_for_torch_helpers)
-    refusal, loaded, group, full = _state_of_another_rank(optimizer)
+    refusal = take_dtensor_state(optimizer) or None  # (set_optimizer_state_dict with DTensors)
+    found, loaded, group, full = _state_of_another_rank(optimizer)
+    refusal = refusal or found
     if loaded:  # one exchange of flags: every rank refuses, or every rank's state is its rows, or every rank's full
         try:
             agree_on_full_state(f"{type(optimizer).__name__}.step()", full, group, others_refuse=refusal is not None)
@@ -249,6 +253,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 def _check_step(optimizer: torch.optim.Optimizer) -> None:
+    drop_if_never_loaded(optimizer)
     _refuse_optimizer_built_first(optimizer)
     _check_models_before_step(optimizer)
     _refuse_state_of_another_rank(optimizer)

@@ -49,6 +49,7 @@ from .checkpoint_match import (
     put_back_settings,
 )
 from ._misuse_optim import making_state
+from ._state_to_load_into import made_to_load_into
 from .checkpoint_verify import file_records, read_metadata_unverified, verify, write_sidecar
 from .tensor import ShardedParam
 
@@ -69,10 +70,14 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     """``get_optimizer_state_dict(module, optimizer)``, ShardedParam states as DTensors (no copy).
 
     ``{"state": {name: {"exp_avg": DTensor, "step": tensor, ...}}, "param_groups": [{..., "params": [names]}]}``
-    An optimizer that has not stepped yet gives no state and is left as it was.  Per-rank state of the local
-    shard's shape (CPUAdam's moments) comes as DTensors too (see [Note: per-rank optimizer state]).
+    An optimizer that has not stepped yet gets state for ``dcp.load`` to fill, as torch's helper makes it; if no
+    load fills it by the next step it is dropped (see [Note: state made to load into]).  Per-rank state of the
+    local shard's shape (CPUAdam's moments) comes as DTensors too (see [Note: per-rank optimizer state]).
     """
-    state = _optimizer_state_dict(module, optimizer, to_load_into=False)
+    fresh = not optimizer.state
+    state = _optimizer_state_dict(module, optimizer, to_load_into=fresh)
+    if fresh and optimizer.state:
+        made_to_load_into(optimizer)
     return _as_dtensors(_present_shards(optimizer, state)[0] if state["state"] else state)
 
 

@@ -993,6 +993,13 @@ MUTATIONS = {
     "state_making_step_refused_mid_accumulation": Mutation(
         "shardtensor/_misuse_optim.py", "making_state", "    _MAKING_STATE.add(optimizer)", "    pass",
         ("tests/test_checkpoint.py::test_a_save_between_micro_batches_before_the_first_step_saves_and_changes_nothing",)),
+    "state_made_to_load_into_kept": Mutation(
+        "shardtensor/_state_to_load_into.py", "drop_if_never_loaded", "        optimizer.state.clear()", "        pass",
+        ("tests/test_checkpoint.py::test_resume_through_dtensor_state_dicts_equals_the_uninterrupted_run",)),
+    "dtensor_optimizer_state_left_to_torch": Mutation(
+        "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
+        "    refusal = take_dtensor_state(optimizer) or None", "    refusal = None",
+        ("tests/test_checkpoint.py::test_resume_through_dtensor_state_dicts_equals_the_uninterrupted_run",)),
     "pending_grad_read_by_to_local": Mutation(
         "shardtensor/_grad_edits.py", "refuse_read_of_pending",
         "    if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:",

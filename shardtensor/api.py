@@ -155,10 +155,12 @@ def shard_module(
     handles = []
     owners: list = []  # (module, attribute, parameter), checked at every root forward
     tied_reads: list = []  # (module, attribute, parameter) of a second name of a tied parameter
+    visited: set = set()  # a module placed twice (ModuleList([block, block])) holds its parameters once
     for module_name, submodule in module.named_modules(remove_duplicate=False):
         for name, param in list(submodule._parameters.items()):
-            if param is None:
+            if param is None or (id(submodule), name) in visited:
                 continue
+            visited.add((id(submodule), name))
             fqn = f"{module_name}.{name}" if module_name else name
             if id(param) in replaced:  # tied: the same Parameter object stays one ShardedParam
                 submodule._parameters[name] = replaced[id(param)]

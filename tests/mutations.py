@@ -1000,6 +1000,10 @@ MUTATIONS = {
         "shardtensor/_misuse_optim.py", "_refuse_state_of_another_rank",
         "    refusal = take_dtensor_state(optimizer) or None", "    refusal = None",
         ("tests/test_checkpoint.py::test_resume_through_dtensor_state_dicts_equals_the_uninterrupted_run",)),
+    "module_placed_twice_sharded_twice": Mutation(
+        "shardtensor/api.py", "shard_module",
+        "            if param is None or (id(submodule), name) in visited:", "            if param is None:",
+        ("tests/test_parity.py::test_one_block_placed_twice_trains_like_the_unsharded_model",)),
     "pending_grad_read_by_to_local": Mutation(
         "shardtensor/_grad_edits.py", "refuse_read_of_pending",
         "    if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:",

@@ -376,3 +376,50 @@ def test_clip_grad_norm_default_path_is_one_all_reduce():
     """ShardedParam is declared foreach-capable (as DTensor is): clip_grad_norm_'s default takes _foreach_norm."""
     for r in run_on_ranks(2, _clip_collectives):
         assert r["params"] >= 6 and r["all_reduces"] == 1, r
+
+
+class _OneBlockPlacedTwice(nn.Module):
+    """ALBERT-style sharing: one block object placed twice in a ModuleList (or called twice from one attribute)."""
+
+    def __init__(self, placed_twice: bool):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.blocks = nn.ModuleList([block, block] if placed_twice else [block])
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in (self.blocks if len(self.blocks) == 2 else [self.blocks[0]] * 2):
+            x = block(x)
+        return self.head(x)
+
+
+def one_block_placed_twice_case(mode: str, placed_twice: bool) -> float:
+    import shardtensor
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    plain = _OneBlockPlacedTwice(placed_twice).double()
+    model = shardtensor.shard_module(copy.deepcopy(plain), gather=mode)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batches = [torch.randint(0, 10, (2, 4), generator=gen) for _ in range(world)]
+        (sum(plain(x).square().mean() for x in batches) / world).backward()
+        model(batches[rank]).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = shardtensor.full_state_dict(model)
+    return max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["sequential", "overlapped"])
+@pytest.mark.parametrize("placed_twice", [True, False])
+def test_one_block_placed_twice_trains_like_the_unsharded_model(mode, placed_twice):
+    """``nn.ModuleList([block, block])`` (weights shared before sharding) raised at the first forward that its
+    weight "was replaced after shard_module ... tie the weights before shard_module": shard_module visited the
+    block twice and sharded its own ShardedParam again (helper 21).  It trains like the unsharded model now."""
+    for diff in run_on_ranks(2, one_block_placed_twice_case, mode, placed_twice):
+        assert diff < 1e-10, diff

@@ -21,10 +21,17 @@ def _uncompiled(module: nn.Module) -> nn.Module:
     return module
 
 
+def _without_compile_wrappers(key: str) -> str:
+    """``key`` without the ``_orig_mod`` segments of compile wrappers inside the model (regional compilation,
+    ``model.blocks[i] = torch.compile(block)``), as torch's ``get_model_state_dict`` names it."""
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+
+
 @torch.no_grad()
 def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Plain full tensors with the keys of the unsharded ``module.state_dict()`` (of the model a ``torch.compile``
-    wrapper wraps).  Gathers one tensor at a time.
+    wrapper wraps; without the ``_orig_mod.`` of wrappers inside it, as ``get_model_state_dict`` gives them, so the
+    plain model loads them).  Gathers one tensor at a time.
 
     Args:
         rank0_only: only rank 0 of the module's group keeps the tensors (a single-file ``torch.save``); the
@@ -35,6 +42,7 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str,
     keep = not rank0_only or _comm.rank(getattr(getattr(module, "_shardtensor", None), "group", None)) == 0
     out = {}
     for key, value in module.state_dict().items():
+        key = _without_compile_wrappers(key)
         if isinstance(value, ShardedParam):
             full = gather_full(value)  # every rank takes part
             if keep:
@@ -57,6 +65,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor],
     """
     module = _uncompiled(module)
     own = module.state_dict()
+    aliases = {_without_compile_wrappers(k): k for k in own}  # (a full state dict's keys, or torch's own)
+    state_dict = {k if k in own else aliases.get(k, k): v for k, v in state_dict.items()}
     error = _full_state_dict_error(own, state_dict, strict)
     group = getattr(getattr(module, "_shardtensor", None), "group", None)
     loading = sorted(state_dict.keys() & own.keys())

@@ -38,6 +38,8 @@ def _run_rank(rank: int, worker: Callable, world: int, port: int, args: tuple, o
     """One spawned rank: run the worker, then hand its result to the parent through ``out_dir``."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
+    if isinstance(args, bytes):
+        args = pickle.loads(args)
     try:
         result = worker(rank, world, port, *args)
     except BaseException:  # when it failed, so the parent can name the first failure, not its echo on a peer
@@ -57,7 +59,9 @@ def spawn_ranks(worker: Callable, world: int, *args: Any, timeout: Optional[floa
     picklable.  ``port`` is a free port for ``MASTER_PORT`` (also set in each rank's environment with
     ``MASTER_ADDR=127.0.0.1``), so a worker can call ``dist.init_process_group("gloo", rank=rank,
     world_size=world)``.  Spawned, not forked: each rank starts with a clean torch and reads its environment
-    (e.g. ``MALLOC_MMAP_THRESHOLD_``) at start.
+    (e.g. ``MALLOC_MMAP_THRESHOLD_``) at start.  Each rank gets its own copy of ``args``, tensors included, as
+    separate processes do (``torch.multiprocessing`` alone would share a tensor's memory between the ranks and
+    the caller).
 
     Raises :class:`RankFailed` as soon as one rank raises or exits without a result (the others are stopped),
     or when ``timeout`` seconds pass (all ranks are killed).
@@ -65,8 +69,12 @@ def spawn_ranks(worker: Callable, world: int, *args: Any, timeout: Optional[floa
     import torch.multiprocessing as mp
 
     deadline = None if timeout is None else time.monotonic() + timeout
+    try:  # each rank unpickles its own copy: torch.multiprocessing would share tensors' memory between the ranks
+        packed: Any = pickle.dumps(args)  # and the parent (an optimizer's step counter stepped by every rank)
+    except Exception:  # noqa: BLE001 - something only torch.multiprocessing can send: sent as it is
+        packed = args
     with tempfile.TemporaryDirectory(prefix="shardtensor-ranks-") as out_dir:
-        context = mp.start_processes(_run_rank, args=(worker, world, free_port(), args, out_dir), nprocs=world,
+        context = mp.start_processes(_run_rank, args=(worker, world, free_port(), packed, out_dir), nprocs=world,
                                      join=False, start_method="spawn")
         try:
             while not context.join(timeout=0.5):

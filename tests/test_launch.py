@@ -36,6 +36,26 @@ def test_spawn_ranks_returns_results_in_rank_order():
     assert spawn_ranks(_return_rank, 2) == [(0, 2), (1, 2)]
 
 
+def _add_rank_in_place(rank: int, world: int, port: int, state: dict) -> float:
+    import time
+
+    seen = state["step"].item()
+    state["step"] += rank + 1  # as an optimizer steps a state dict's counter it was given
+    time.sleep(0.3)  # (the other rank has written by now, were the memory shared)
+    return seen + 100 * (state["step"].item() - seen - rank - 1)
+
+
+def test_each_rank_gets_its_own_copy_of_tensor_arguments():
+    """``spawn_ranks(worker, 2, opt.state_dict())``: torch.multiprocessing shared the tensors' memory between the
+    ranks and the caller, so a step counter of 2 stepped by both ranks read 4 where each expected 3, and the
+    caller's changed too (helper 18)."""
+    import torch
+
+    state = {"step": torch.tensor(2.0)}
+    assert spawn_ranks(_add_rank_in_place, 2, state) == [2.0, 2.0]
+    assert state["step"].item() == 2.0
+
+
 def test_a_rank_that_raises_ends_the_launch_with_its_traceback():
     with pytest.raises(RankFailed, match="rank 1 of 2 raised") as exc:
         spawn_ranks(_fail_on_rank_1, 2, "raise", timeout=120)

@@ -45,8 +45,6 @@ def rows_of_dtensor(param, value, key: str):
     over ``param``'s layout, a full tensor (``Replicate()``), or the refusal (a string)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from .tensor import ShardedParam
-
     mesh, placements = value.device_mesh, tuple(value.placements)
     if mesh.ndim == 1 and placements == (Replicate(),):
         return value.to_local()
@@ -63,8 +61,8 @@ def rows_of_dtensor(param, value, key: str):
                 "Nothing was copied on any rank. Fix: load shardtensor.sharded_state_dict(model) (or "
                 "sharded_optimizer_state_dict) of a model sharded like this one (dcp.load reshards any checkpoint "
                 "into it), or the full tensors (dtensor.full_tensor() on every rank).")
-    rows = ShardedParam.from_dtensor(value, name=key)
-    return ShardedParam.from_local(rows._local, layout, name=key)
+    cls = type(param)  # ShardedParam (not imported: the tensor module's imports reach the load hooks that call this)
+    return cls.from_local(cls.from_dtensor(value, name=key)._local, layout, name=key)
 
 
 def take_dtensors(params: dict, state_dict: dict, prefix: str) -> str:
@@ -87,16 +85,14 @@ def take_dtensor_state(optimizer) -> str:
     ``sharded_optimizer_state_dict``'s DTensors): each becomes the parameter's rows, as the optimizer's own state
     holds them (a ShardedParam, or plain rows where the optimizer keeps those: CPUAdam); a full one is left for
     the full-state check.  The refusal of the first that cannot be, or ``""``."""
-    from .tensor import ShardedParam
-
     plain_rows = getattr(optimizer, "holds_local_shard_state", False)
     for param, state in optimizer.state.items():
-        if not isinstance(param, ShardedParam):
+        if not hasattr(param, "shard_layout"):  # (a ShardedParam)
             continue
         for key, value in list(state.items()):
             if is_dtensor(value):
                 rows = rows_of_dtensor(param, value, f"{param._name or 'parameter'}.{key}")
                 if isinstance(rows, str):
                     return f"{type(optimizer).__name__}.step(): optimizer state {rows}"
-                state[key] = rows._local if plain_rows and isinstance(rows, ShardedParam) else rows
+                state[key] = getattr(rows, "_local", rows) if plain_rows else rows
     return ""

@@ -44,6 +44,8 @@ from typing import Optional
 
 import torch
 
+from ._errors import ShardedOpError
+
 _clock = itertools.count(1)
 _OVERWRITTEN_AT = "_shardtensor_overwritten_at"
 _SCALES = "_shardtensor_scales"  # on a shard holding a deferral: [(factor, divide), ...] written since
@@ -137,10 +139,8 @@ def refuse_read_of_pending(grad: torch.Tensor, what: str) -> None:
     """Raise ``ShardedOpError`` if ``grad`` (a ShardedParam) is a ``.grad`` shard holding a deferral and no
     backward is running: ``to_local()``, ``full_tensor()`` and ``to_dtensor()`` hand out or gather the shard
     without the op table, and read the placeholder's zeros (a write into ``to_local()`` was lost)."""
-    local = getattr(grad, "_local", None)
+    local = getattr(grad, "_local", None) if _LOGGING else None  # (no shard holds a deferral: one dict read)
     if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:
-        from ._dispatch._common import ShardedOpError
-
         raise ShardedOpError(_pending_refusal(what, local))
 
 

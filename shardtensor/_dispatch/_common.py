@@ -12,15 +12,12 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .._layout import ShardLayout
+from .._errors import ShardedOpError  # noqa: F401  (re-exported: shardtensor.ShardedOpError)
 from ..tensor import ShardedParam
 
 aten = torch.ops.aten
 
 Rule = Callable[[Any, tuple, dict], Any]  # rule(func, args, kwargs) -> result
-
-
-class ShardedOpError(RuntimeError):
-    """An op cannot run on a ShardedParam without silently losing or corrupting data."""
 
 
 class OpFamily(NamedTuple):

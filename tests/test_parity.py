@@ -423,3 +423,48 @@ def test_one_block_placed_twice_trains_like_the_unsharded_model(mode, placed_twi
     block twice and sharded its own ShardedParam again (helper 21).  It trains like the unsharded model now."""
     for diff in run_on_ranks(2, one_block_placed_twice_case, mode, placed_twice):
         assert diff < 1e-10, diff
+
+
+def weight_constraint_case(how: str) -> dict:
+    """A max-norm constraint or a pruning mask after each step, in place (refused) or written back whole."""
+    import shardtensor
+    from shardtensor import ShardedOpError
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    model = shardtensor.shard_module(copy.deepcopy(plain))
+    mask = (torch.rand(7, 5, generator=torch.Generator().manual_seed(2)) > 0.3).double()
+    constraints = {
+        "max-norm": lambda w: w / w.norm(dim=1, keepdim=True).clamp(min=0.5) * 0.5,
+        "mask": lambda w: w * mask,
+    }
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, model)]
+    refused = ""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xs = [torch.randn(4, 5, generator=gen, dtype=torch.float64) for _ in range(world)]
+        (sum(plain(x).square().mean() for x in xs) / world).backward()
+        model(xs[rank]).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            plain[0].weight.copy_(constraints[how](plain[0].weight))
+            try:  # the in-place form: refused before it writes
+                model[0].weight.mul_(mask) if how == "mask" else model[0].weight.renorm_(2, 0, 0.5)
+            except ShardedOpError as exc:
+                refused = str(exc)
+            model[0].weight.copy_(constraints[how](model[0].weight))  # the route the refusal names
+    full = shardtensor.full_state_dict(model)
+    return {"refused": refused, "diff": max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items())}
+
+
+@pytest.mark.parametrize("how", ["max-norm", "mask"])
+def test_a_weight_constraint_written_back_whole_trains_like_the_unsharded_model(how):
+    """A max-norm constraint, ``renorm_`` or a pruning mask applied in place after each step is refused on every
+    rank before it writes (it cannot run on this rank's rows alone); the fix its message names, ``w.copy_(...)``
+    of the out-of-place result, trains equal to the unsharded model (helper 20)."""
+    for out in run_on_ranks(2, weight_constraint_case, how):
+        assert "p.copy_(p * mask)" in out["refused"], out
+        assert out["diff"] < 1e-12, out

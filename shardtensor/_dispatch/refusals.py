@@ -33,8 +33,10 @@ def _refuse(func, args, kwargs, why: str) -> NoReturn:
     unreduced = [p for p in written if p.is_leaf and type(p.grad) is torch.Tensor]  # (a view's .grad warns)
     raise ShardedOpError(
         f"{func} would write into ShardedParam {names} but {why}. Running it on a gathered temporary would drop "
-        f"the update silently. Fix: use the out-of-place form on the full tensor, update each rank's shard "
-        f"through `.to_local()`, or `shardtensor.unshard_module(model)` first. ({_describe(func, args, kwargs)})"
+        f"the update silently. Fix: write the out-of-place result back whole, e.g. `p.copy_(p * mask)` or "
+        f"`p.copy_(p / p.norm(dim=1, keepdim=True).clamp(min=c) * c)` (a gather; each rank keeps its rows, and the "
+        f"ranks' results are checked to agree), update each rank's shard through `.to_local()`, or "
+        f"`shardtensor.unshard_module(model)` first. ({_describe(func, args, kwargs)})"
         + (f" Here {unreduced[0]._name!r}.grad is a full plain tensor: this rank's own gradient, never averaged, "
            "because the parameter's gradient hook is gone (the model was converted, e.g. model.float() or .to(), "
            "after shard_module, and its forward was not called to report it). Fix: convert the model before "

@@ -50,7 +50,9 @@ def hold_back_unsaved_settings(metadata, state: dict) -> list:
     a setting a newer torch added) keep this optimizer's value: DCP asks for every key it is given, and one it
     cannot find failed the whole load half way.  A checkpoint with no optimizer at all, or whose groups hold
     settings of another kind of optimizer, is refused here, before anything is copied.  Returns the settings
-    held back, for ``put_back_settings`` after the load."""
+    held back, for ``put_back_settings`` after the load.  Settings the checkpoint holds that this optimizer lacks
+    (``initial_lr``, where the scheduler is built after the load with ``last_epoch=k``) are loaded too: they
+    were dropped, and the scheduler raised torch's "param 'initial_lr' is not specified"."""
     saved = metadata.state_dict_metadata
     if not any(key.startswith(f"{_OPTIM}.") for key in saved):
         raise CheckpointError("load_checkpoint: the checkpoint holds no optimizer state (it was saved as "
@@ -69,6 +71,8 @@ def hold_back_unsaved_settings(metadata, state: dict) -> list:
                 "optimizer. Fix: build the optimizer the checkpoint was saved with, or load_checkpoint(path, model) "
                 "for the model alone.")
         held += [(group, key, group.pop(key)) for key in missing]
+        for key in foreign if not missing else ():  # (initial_lr of a scheduler the fresh optimizer has not met
+            group[key] = None  # yet: DCP writes the saved value here, as opt.load_state_dict would bring it)
     return held
 
 

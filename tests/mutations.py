@@ -1007,6 +1007,10 @@ MUTATIONS = {
     "orig_mod_kept_in_full_keys": Mutation(
         "shardtensor/full_state.py", "full_state_dict", "        key = _without_compile_wrappers(key)", "        pass",
         ("tests/test_checkpoint.py::test_full_state_dict_of_regionally_compiled_blocks_has_the_plain_models_keys",)),
+    "saved_initial_lr_dropped": Mutation(
+        "shardtensor/checkpoint_match.py", "hold_back_unsaved_settings",
+        "            group[key] = None", "            pass",
+        ("tests/test_checkpoint.py::test_initial_lr_saved_in_a_checkpoint_is_restored_into_a_fresh_optimizer",)),
     "pending_grad_read_by_to_local": Mutation(
         "shardtensor/_grad_edits.py", "refuse_read_of_pending",
         "    if local is not None and hasattr(local, _SCALES) and torch._C._current_graph_task_id() == -1:",

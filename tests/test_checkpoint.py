@@ -321,6 +321,35 @@ def test_full_state_dict_of_regionally_compiled_blocks_has_the_plain_models_keys
         assert out == {"keys": True, "equal": True}, out
 
 
+def scheduler_built_after_the_load_case(root: str) -> dict:
+    """Save with a LambdaLR; resume into a fresh optimizer, then build the scheduler with ``last_epoch``."""
+    import os
+
+    path = os.path.join(root, "ckpt")
+    model = shardtensor.shard_module(_model(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+    for _ in range(2):
+        _train(model, opt, 1, seed=1)
+        sched.step()
+    shardtensor.save_checkpoint(path, model, opt)
+    fresh = shardtensor.shard_module(_model(0))
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    shardtensor.load_checkpoint(path, fresh, opt2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1 / (s + 1), last_epoch=1)
+    return {"initial_lr": opt2.param_groups[0].get("initial_lr"), "lr": opt2.param_groups[0]["lr"],
+            "last_epoch": sched2.last_epoch}
+
+
+def test_initial_lr_saved_in_a_checkpoint_is_restored_into_a_fresh_optimizer(tmp_path):
+    """``load_checkpoint`` into a fresh optimizer dropped the saved ``initial_lr``, so a scheduler built after the
+    load with ``last_epoch=k`` (the common resume; transformers' schedules take it too) raised torch's "param
+    'initial_lr' is not specified", where DDP's ``opt.load_state_dict`` restores it (helper 22)."""
+    for out in run_on_ranks(2, scheduler_built_after_the_load_case, str(tmp_path), timeout=120):
+        assert out["initial_lr"] == 0.01 and out["last_epoch"] == 2, out
+        assert out["lr"] == pytest.approx(0.01 / 3, rel=1e-12), out
+
+
 def dtensor_param_case() -> str:
     from torch.distributed.tensor import Shard, distribute_tensor
 

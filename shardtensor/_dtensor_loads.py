@@ -27,17 +27,12 @@ import sys
 from typing import Any
 
 from . import _comm
+from ._layout import ShardLayout
 
 
 def is_dtensor(value: Any) -> bool:
     module = sys.modules.get("torch.distributed.tensor")  # (a DTensor exists only once its module is imported)
     return module is not None and isinstance(value, module.DTensor)
-
-
-def _group_ranks(group) -> list:
-    import torch.distributed as dist
-
-    return list(range(_comm.world_size(group))) if group is None else dist.get_process_group_ranks(group)
 
 
 def rows_of_dtensor(param, value, key: str):
@@ -50,14 +45,14 @@ def rows_of_dtensor(param, value, key: str):
         return value.to_local()
     layout = param.shard_layout
     group = getattr(layout, "group", None)
-    ranks = _group_ranks(mesh.get_group()) if mesh.ndim == 1 else None
+    ranks = _comm.group_ranks(mesh.get_group()) if mesh.ndim == 1 else None
     fits = (mesh.ndim == 1 and placements == (Shard(0),) and tuple(value.shape) == tuple(layout.shape)
-            and type(layout).__name__ == "ShardLayout" and ranks == _group_ranks(group))
+            and type(layout) is ShardLayout and ranks == _comm.group_ranks(group))
     if not fits:
         return (f"{key!r} is a DTensor of shape {tuple(value.shape)} placed {placements} on a "
                 f"{mesh.ndim}-d mesh{f' of ranks {ranks}' if ranks is not None else ''}, but the sharded "
-                f"parameter is {tuple(layout.shape)}, split by rows over ranks {_group_ranks(group)}"
-                f"{'' if type(layout).__name__ == 'ShardLayout' else ' (layer-wise: one rank holds it)'}. "
+                f"parameter is {tuple(layout.shape)}, split by rows over ranks {_comm.group_ranks(group)}"
+                f"{'' if type(layout) is ShardLayout else ' (layer-wise: one rank holds it)'}. "
                 "Nothing was copied on any rank. Fix: load shardtensor.sharded_state_dict(model) (or "
                 "sharded_optimizer_state_dict) of a model sharded like this one (dcp.load reshards any checkpoint "
                 "into it), or the full tensors (dtensor.full_tensor() on every rank).")
